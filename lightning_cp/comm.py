@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import init_device_mesh as _init_device_mesh
 
 
 def group_size(group: ProcessGroup) -> int:
@@ -71,3 +73,107 @@ def all_to_all_v(
 ) -> torch.Tensor:
     """Differentiable uneven all-to-all along dim 0: ``input_split_sizes[i]`` rows go to group rank ``i``."""
     return _AllToAllV.apply(input_, tuple(output_split_sizes), tuple(input_split_sizes), group)
+
+
+def is_initialized() -> bool:
+    """Return whether the default process group is up."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...]) -> DeviceMesh:
+    """Build a ``DeviceMesh`` over all ranks of the default group, last dimension fastest."""
+    return _init_device_mesh(device_type, mesh_shape, mesh_dim_names=mesh_dim_names)
+
+
+def flattened_mesh_group(mesh: DeviceMesh, mesh_dim_names: tuple[str, ...]) -> ProcessGroup:
+    """Return the process group spanning ``mesh_dim_names`` of ``mesh`` together, in row-major order."""
+    if len(mesh_dim_names) == 1:
+        return mesh.get_group(mesh_dim_names[0])
+    return mesh[mesh_dim_names]._flatten("_x_".join(mesh_dim_names)).get_group()
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Return the sum of ``tensor`` over ``group`` (not differentiable; for metrics)."""
+    reduced = tensor.detach().clone()
+    dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
+    return reduced
+
+
+def broadcast_module_states(module: torch.nn.Module, group: ProcessGroup) -> None:
+    """Copy the parameters and buffers of ``module`` from group rank 0 to every rank of ``group``."""
+    with torch.no_grad():
+        for tensor in (*module.parameters(), *module.buffers()):
+            dist.broadcast(tensor, group_src=0, group=group)
+
+
+class _AllGatherStack(torch.autograd.Function):
+    """All-gather onto a new leading rank dim; backward returns each rank the sum of every rank's gradient slice."""
+
+    @staticmethod
+    def forward(ctx, input_, group):  # type: ignore[override]
+        ctx.group = group
+        input_ = input_.contiguous()
+        parts = [torch.empty_like(input_) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, input_, group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        grad_output = grad_output.contiguous()
+        received = torch.empty_like(grad_output)
+        dist.all_to_all_single(received, grad_output, group=ctx.group)
+        return received.sum(0), None
+
+
+def all_gather_stack(input_: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Differentiable all-gather: ``out[i]`` is group rank ``i``'s tensor; gradients go back to owners, summed."""
+    return _AllGatherStack.apply(input_, group)
+
+
+class RingTransfer:
+    """A pending send to the next ring rank and receive from the previous one; ``wait`` returns the received tensor."""
+
+    def __init__(self, works: list, sent: torch.Tensor, received: torch.Tensor) -> None:
+        self._works = works
+        self._sent = sent
+        self._received = received
+
+    def wait(self) -> torch.Tensor:
+        """Block until both transfers finished and return the tensor from the previous rank."""
+        for work in self._works:
+            work.wait()
+        return self._received
+
+
+def ring_shift(tensor: torch.Tensor, group: ProcessGroup, tag: int = 0) -> RingTransfer:
+    """Start sending ``tensor`` to group rank ``rank + 1`` and receiving the same shape from ``rank - 1`` (cyclic)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    sent = tensor.contiguous()
+    received = torch.empty_like(sent)
+    next_rank = dist.get_global_rank(group, (rank + 1) % size)
+    previous_rank = dist.get_global_rank(group, (rank - 1) % size)
+    works = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, sent, next_rank, group, tag),
+            dist.P2POp(dist.irecv, received, previous_rank, group, tag),
+        ]
+    )
+    return RingTransfer(works, sent, received)
+
+
+def all_to_all_v_into(
+    output: torch.Tensor,
+    input_: torch.Tensor,
+    output_split_sizes: Sequence[int],
+    input_split_sizes: Sequence[int],
+    group: ProcessGroup,
+) -> torch.Tensor:
+    """Uneven all-to-all along dim 0 into the caller's contiguous ``output`` (no allocation, not differentiable)."""
+    dist.all_to_all_single(
+        output,
+        input_.contiguous(),
+        output_split_sizes=list(output_split_sizes),
+        input_split_sizes=list(input_split_sizes),
+        group=group,
+    )
+    return output

@@ -1,0 +1,353 @@
+"""Benchmark CP layout conversion on local gloo ranks against the raw all-to-all floor and a naive all-gather.
+
+Each timed repetition runs contiguous -> zigzag -> contiguous once per candidate, candidates interleaved:
+- ``ours``: ``contiguous_to_zigzag`` then ``zigzag_to_contiguous`` (dense, or packed with a THD plan);
+- ``floor``: one raw ``all_to_all_single`` pair moving the same rows with the plan's split sizes, no index work,
+  into freshly allocated outputs (what any out-of-place conversion must at least pay);
+- ``floor-prealloc``: the same pair into outputs allocated once before timing (a lower bound no API returning new
+  tensors can reach on a host without a caching allocator);
+- ``naive``: all-gather the whole sequence and slice this rank's part, both ways.
+A repetition's time is the slowest rank's; the table shows the median over repetitions. THD plan building is timed
+on its own (one rank's pure plan builders, single thread) for a grid of token and sequence counts.
+
+Run: ``python benchmarks/layout_bench.py`` (``--quick`` for a short run); the table is printed and saved to
+``benchmarks/results/layout_bench.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lightning_cp.layout import (
+    _build_layout_redistribution_plan,
+    _build_thd_cp_layout_plan_from_rank_order_indices,
+    _build_thd_rank_order_indices,
+    build_thd_cp_layout_plan,
+    contiguous_to_zigzag,
+    zigzag_to_contiguous,
+)
+
+CANDIDATES = ("ours", "floor", "floor-prealloc", "naive")
+RESULTS = Path(__file__).resolve().parent / "results" / "layout_bench.md"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one run measures."""
+
+    cp_sizes: tuple[int, ...]
+    token_counts: tuple[int, ...]
+    hidden_sizes: tuple[int, ...]
+    repetitions: int
+    plan_token_counts: tuple[int, ...]
+    plan_sequence_counts: tuple[int, ...]
+    plan_cp_sizes: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _settings(quick: bool) -> Settings:
+    """Full grid of issue 2 section 6, or a trimmed one for ``--quick``."""
+    if quick:
+        return Settings((2, 4), (8192, 32768, 262144), (1024,), 3, (65536, 262144), (100, 2048), (2, 8), torch.bfloat16)
+    return Settings(
+        (2, 4),
+        (8192, 32768, 131072, 262144),
+        (512, 1024),
+        5,
+        (65536, 262144, 1048576),
+        (100, 2048, 20480),
+        (2, 4, 8),
+        torch.bfloat16,
+    )
+
+
+def _random_cu_seqlens(token_count: int, sequence_count: int, seed: int) -> torch.Tensor:
+    """Offsets of ``sequence_count`` random-length sequences filling ``token_count`` tokens (int32)."""
+    generator = torch.Generator().manual_seed(seed)
+    cuts = torch.randperm(token_count - 1, generator=generator)[: sequence_count - 1] + 1
+    return torch.cat([torch.tensor([0]), cuts.sort().values, torch.tensor([token_count])]).to(torch.int32)
+
+
+def _slowest_rank_medians(times: dict[str, list[float]]) -> dict[str, float]:
+    """Per candidate, the median over repetitions of the slowest rank's time (ms)."""
+    names = sorted(times)
+    local = torch.tensor([times[name] for name in names], dtype=torch.float64)
+    dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    return {name: 1e3 * statistics.median(row.tolist()) for name, row in zip(names, local, strict=True)}
+
+
+def _interleaved(candidates: dict[str, Callable[[], object]], repetitions: int) -> dict[str, float]:
+    """Warm every candidate once, then time them round-robin (rotating the start) with a barrier before each."""
+    for run in candidates.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    names = list(candidates)
+    for repetition in range(repetitions):
+        for name in names[repetition % len(names) :] + names[: repetition % len(names)]:
+            dist.barrier()
+            start = time.perf_counter()
+            candidates[name]()
+            times[name].append(time.perf_counter() - start)
+    return _slowest_rank_medians(times)
+
+
+def _raw_pair(
+    rows: torch.Tensor,
+    forward: tuple[list[int], list[int]],
+    reverse: tuple[list[int], list[int]],
+    outputs: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """Two raw all_to_all_single calls with precomputed ``(output, input)`` splits, into fresh or given outputs."""
+    middle = rows.new_empty((sum(forward[0]), *rows.shape[1:])) if outputs is None else outputs[0]
+    dist.all_to_all_single(middle, rows, forward[0], forward[1])
+    back = rows.new_empty((sum(reverse[0]), *rows.shape[1:])) if outputs is None else outputs[1]
+    dist.all_to_all_single(back, middle, reverse[0], reverse[1])
+    return back
+
+
+def _floor_candidates(rows: torch.Tensor, forward, reverse) -> dict[str, Callable[[], object]]:
+    """The fresh-output and preallocated raw all-to-all pairs."""
+    outputs = (rows.new_empty((sum(forward[0]), *rows.shape[1:])), rows.new_empty((sum(reverse[0]), *rows.shape[1:])))
+    return {
+        "floor": lambda: _raw_pair(rows, forward, reverse, None),
+        "floor-prealloc": lambda: _raw_pair(rows, forward, reverse, outputs),
+    }
+
+
+def _naive_round_trip(rows: torch.Tensor, to_zigzag: torch.Tensor, to_contiguous: torch.Tensor, group_size: int):
+    """All-gather the contiguous shards and pick this rank's zigzag rows, then all-gather those and pick back."""
+    gathered = rows.new_empty((rows.shape[0] * group_size, *rows.shape[1:]))
+    dist.all_gather_into_tensor(gathered, rows)
+    zigzag = gathered.index_select(0, to_zigzag)
+    gathered_zigzag = zigzag.new_empty((zigzag.shape[0] * group_size, *zigzag.shape[1:]))
+    dist.all_gather_into_tensor(gathered_zigzag, zigzag)
+    return gathered_zigzag.index_select(0, to_contiguous)
+
+
+def _dense_case(cp: int, rank: int, tokens: int, hidden: int, settings: Settings) -> dict[str, float]:
+    """Time the dense candidates for one shape."""
+    local = tokens // cp
+    rows = torch.randn(local, hidden).to(settings.dtype)
+    segment = local // 2
+    forward_plan = _build_layout_redistribution_plan("contiguous", "zigzag", cp, rank)
+    reverse_plan = _build_layout_redistribution_plan("zigzag", "contiguous", cp, rank)
+    forward = (
+        [c * segment for c in forward_plan.output_segment_counts],
+        [c * segment for c in forward_plan.input_segment_counts],
+    )
+    reverse = (
+        [c * segment for c in reverse_plan.output_segment_counts],
+        [c * segment for c in reverse_plan.input_segment_counts],
+    )
+    chunk = tokens // (2 * cp)
+    zigzag_positions = torch.cat(
+        [
+            torch.arange(rank * chunk, (rank + 1) * chunk),
+            torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk),
+        ]
+    )
+    zigzag_order = torch.cat(
+        [
+            torch.cat(
+                [torch.arange(r * chunk, (r + 1) * chunk), torch.arange((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk)]
+            )
+            for r in range(cp)
+        ]
+    )
+    contiguous_positions = torch.argsort(zigzag_order)[rank * local : (rank + 1) * local]
+    group = dist.group.WORLD
+
+    def ours() -> torch.Tensor:
+        return zigzag_to_contiguous(contiguous_to_zigzag(rows, group), group)
+
+    result = ours()
+    assert torch.equal(result, rows), "dense round trip changed the data"
+    candidates = {"ours": ours, **_floor_candidates(rows, forward, reverse)}
+    candidates["naive"] = lambda: _naive_round_trip(rows, zigzag_positions, contiguous_positions, cp)
+    with torch.no_grad():
+        return _interleaved(candidates, settings.repetitions)
+
+
+def _packed_case(cp: int, rank: int, tokens: int, hidden: int, settings: Settings) -> dict[str, float]:
+    """Time the packed candidates for one shape (about one sequence per 2k tokens, random lengths)."""
+    cu_seqlens = _random_cu_seqlens(tokens, max(2, tokens // 2048), seed=tokens + hidden)
+    group = dist.group.WORLD
+    dist.barrier()
+    start = time.perf_counter()
+    plan = build_thd_cp_layout_plan(cu_seqlens, tokens, group)
+    plan_ms = 1e3 * (time.perf_counter() - start)
+    rows = torch.randn(plan.contiguous_local_token_count, hidden).to(settings.dtype)
+    forward = (list(plan.forward_output_split_sizes), list(plan.forward_input_split_sizes))
+    reverse = (list(plan.forward_input_split_sizes), list(plan.forward_output_split_sizes))
+    rank_order, _ = _build_thd_rank_order_indices(cu_seqlens, None, cp, 1)
+    zigzag_count = plan.zigzag_local_token_count
+    mine = rank_order[rank * zigzag_count : (rank + 1) * zigzag_count]
+    padding_row = tokens
+    to_zigzag = torch.where(mine >= 0, mine, padding_row)
+    position_of_token = torch.empty(tokens, dtype=torch.int64)
+    valid = rank_order >= 0
+    position_of_token[rank_order[valid]] = torch.nonzero(valid).flatten()
+    to_contiguous = position_of_token[rank * plan.contiguous_local_token_count :][: plan.contiguous_local_token_count]
+
+    def naive() -> torch.Tensor:
+        gathered = rows.new_empty((tokens + 1, hidden))
+        dist.all_gather_into_tensor(gathered[:tokens], rows)
+        gathered[tokens].zero_()
+        zigzag = gathered.index_select(0, to_zigzag)
+        gathered_zigzag = zigzag.new_empty((zigzag_count * cp, hidden))
+        dist.all_gather_into_tensor(gathered_zigzag, zigzag)
+        return gathered_zigzag.index_select(0, to_contiguous)
+
+    def ours() -> torch.Tensor:
+        return zigzag_to_contiguous(contiguous_to_zigzag(rows, group, thd_plan=plan), group, thd_plan=plan)
+
+    assert torch.equal(ours(), rows) and torch.equal(naive(), rows), "packed round trip changed the data"
+    candidates = {"ours": ours, **_floor_candidates(rows, forward, reverse), "naive": naive}
+    with torch.no_grad():
+        medians = _interleaved(candidates, settings.repetitions)
+    plan_time = torch.tensor([plan_ms], dtype=torch.float64)
+    dist.all_reduce(plan_time, op=dist.ReduceOp.MAX)
+    return {**medians, "plan": float(plan_time)}
+
+
+def _rank_main(rank: int, cp: int, port: int, settings: Settings, results: mp.Queue) -> None:
+    """One gloo rank: run every conversion case for this CP size; rank 0 reports the rows."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=cp)
+    rows = []
+    try:
+        for tokens in settings.token_counts:
+            for hidden in settings.hidden_sizes:
+                for kind, case in (("dense", _dense_case), ("packed", _packed_case)):
+                    rows.append((kind, cp, tokens, hidden, case(cp, rank, tokens, hidden, settings)))
+                    if rank == 0:
+                        print(f"  cp={cp} {kind:6} tokens={tokens:>7} hidden={hidden}: {rows[-1][-1]}", flush=True)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        results.put(rows)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _conversion_rows(settings: Settings) -> list[tuple]:
+    """Launch one gloo group per CP size and collect rank 0's rows."""
+    context = mp.get_context("fork")
+    rows = []
+    for cp in settings.cp_sizes:
+        results = context.Queue()
+        port = _free_port()
+        processes = [context.Process(target=_rank_main, args=(r, cp, port, settings, results)) for r in range(cp)]
+        for process in processes:
+            process.start()
+        rows += results.get(timeout=3600)
+        for process in processes:
+            process.join()
+            if process.exitcode != 0:
+                raise RuntimeError(f"a cp={cp} rank exited with code {process.exitcode}")
+    return rows
+
+
+def _plan_building_rows(settings: Settings) -> list[tuple[int, int, int, float]]:
+    """Median time of one rank's pure THD plan building (rank order + rank-local plan) over a grid."""
+    torch.set_num_threads(1)
+    rows = []
+    for tokens in settings.plan_token_counts:
+        for sequences in settings.plan_sequence_counts:
+            cu_seqlens = _random_cu_seqlens(tokens, sequences, seed=sequences)
+            for cp in settings.plan_cp_sizes:
+                times = []
+                for _ in range(5):
+                    start = time.perf_counter()
+                    order, offsets = _build_thd_rank_order_indices(cu_seqlens, None, cp, 1, tokens)
+                    _build_thd_cp_layout_plan_from_rank_order_indices(order, tokens, offsets, cp, cp - 1)
+                    times.append(time.perf_counter() - start)
+                rows.append((tokens, sequences, cp, 1e3 * statistics.median(times)))
+    return rows
+
+
+def _table(conversions: list[tuple], plans: list[tuple], settings: Settings, wall: float) -> str:
+    """Render both tables, the target check and the run's conditions as markdown."""
+    lines = [
+        "# Layout conversion benchmark",
+        "",
+        f"`python benchmarks/layout_bench.py{' --quick' if settings.repetitions < 5 else ''}` on "
+        f"{os.cpu_count()} CPU cores ({platform.machine()}), torch {torch.__version__}, gloo over loopback, "
+        f"dtype {str(settings.dtype).removeprefix('torch.')}, one thread per rank, {settings.repetitions} "
+        f"interleaved repetitions (median of the slowest rank), wall {wall:.0f} s.",
+        "",
+        "Round trip contiguous -> zigzag -> contiguous, ms. Ratios: ours / floor (fresh outputs), ours / floor with "
+        "preallocated outputs, ours / naive all-gather.",
+        "",
+        "| kind | cp | tokens | hidden | ours | floor | floor-prealloc | naive | /floor | /prealloc | /naive |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    worst_floor = worst_naive = 0.0
+    for kind, cp, tokens, hidden, ms in conversions:
+        floor_ratio, naive_ratio = ms["ours"] / ms["floor"], ms["ours"] / ms["naive"]
+        if tokens >= 32768:
+            worst_floor, worst_naive = max(worst_floor, floor_ratio), max(worst_naive, naive_ratio)
+        lines.append(
+            f"| {kind} | {cp} | {tokens} | {hidden} | {ms['ours']:.1f} | {ms['floor']:.1f} | "
+            f"{ms['floor-prealloc']:.1f} | {ms['naive']:.1f} | {floor_ratio:.2f} | "
+            f"{ms['ours'] / ms['floor-prealloc']:.2f} | {naive_ratio:.2f} |"
+        )
+    lines += [
+        "",
+        f"From 32k tokens up: worst ours / floor = {worst_floor:.2f} (target <= 1.3), worst ours / naive = "
+        f"{worst_naive:.2f} (target <= 0.5).",
+        "",
+        "Packed plan building inside the gloo runs (`build_thd_cp_layout_plan`, slowest rank, ms): "
+        + ", ".join(
+            f"cp={cp} {tokens} tokens: {ms['plan']:.1f}"
+            for kind, cp, tokens, hidden, ms in conversions
+            if kind == "packed" and hidden == settings.hidden_sizes[-1]
+        ),
+        "",
+        "THD plan building, one rank's pure builders (rank order + rank-local plan), single thread, median of 5, ms:",
+        "",
+        "| tokens | sequences | cp | ms |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += [f"| {tokens} | {sequences} | {cp} | {ms:.1f} |" for tokens, sequences, cp, ms in plans]
+    target = [ms for tokens, sequences, cp, ms in plans if (tokens, sequences, cp) == (262144, 2048, 8)]
+    if target:
+        lines += ["", f"256k tokens / 2k sequences / cp=8: {target[0]:.1f} ms (target < 20 ms)."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    """Run the benchmark, print the table and save it."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
+    parser.add_argument("--output", type=Path, default=RESULTS, help="where to save the markdown table")
+    arguments = parser.parse_args()
+    settings = _settings(arguments.quick)
+    start = time.perf_counter()
+    plans = _plan_building_rows(settings)
+    conversions = _conversion_rows(settings)
+    table = _table(conversions, plans, settings, time.perf_counter() - start)
+    print(table)
+    arguments.output.parent.mkdir(parents=True, exist_ok=True)
+    arguments.output.write_text(table)
+
+
+if __name__ == "__main__":
+    main()

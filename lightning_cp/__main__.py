@@ -1,0 +1,8 @@
+"""``python -m lightning_cp``: the ``lightning-cp`` console script."""
+
+import sys
+
+from lightning_cp.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

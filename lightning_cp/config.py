@@ -1,0 +1,284 @@
+"""Configuration: structured defaults, then a YAML file, then dotted ``key=value`` overrides (omegaconf)."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from lightning_cp.callback import DEFAULT_CONTIGUOUS_LAYERS, DEFAULT_ZIGZAG_LAYERS
+
+PACKAGED_CONFIGS = "lightning_cp.configs"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key and what it accepts."""
+
+
+@dataclass
+class RunConfig:
+    """Where the run folder goes: ``<root>/<name>``; ``name`` defaults to the start time."""
+
+    root: str = "runs"
+    name: str | None = None
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of the reference Llama-style decoder."""
+
+    vocab_size: int = 257
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 352
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    """Documents, validation split and packing."""
+
+    sources: list[str] = field(default_factory=lambda: ["pydoc"])
+    val_sources: list[str] | None = None
+    val_fraction: float = 0.1
+    split_seed: int = 0
+    tokens_per_sample: int = 1024
+    samples_per_batch: int = 1
+    packed: bool = True
+    shuffle: bool = True
+    num_workers: int = 0
+
+
+@dataclass
+class TrainerConfig:
+    """Arguments of ``lightning.pytorch.Trainer``."""
+
+    accelerator: str = "cpu"
+    devices: Any = 2
+    num_nodes: int = 1
+    precision: str = "32-true"
+    max_steps: int = 300
+    max_epochs: int | None = None
+    val_check_interval: Any = 50
+    limit_val_batches: Any = 1.0
+    log_every_n_steps: int = 1
+    gradient_clip_val: float | None = 1.0
+    accumulate_grad_batches: int = 1
+    num_sanity_val_steps: int = 0
+    enable_progress_bar: bool = True
+    deterministic: bool = False
+
+
+@dataclass
+class StrategyConfig:
+    """Arguments of the ``cp_zigzag`` strategy."""
+
+    context_parallel_size: int | None = 2
+    tensor_parallel_size: int = 1
+    data_parallel_size: Any = "auto"
+    sequence_parallel: bool = False
+    boundary_layout: str = "contiguous"
+    attention_mode: str = "allgather"
+    process_group_backend: str | None = None
+
+
+@dataclass
+class LayoutConfig:
+    """Layout policy of ``ContextParallelLayoutCallback``: which blocks need zigzag or contiguous input."""
+
+    zigzag_layers: list[str] = field(default_factory=lambda: list(DEFAULT_ZIGZAG_LAYERS))
+    contiguous_layers: list[str] = field(default_factory=lambda: list(DEFAULT_CONTIGUOUS_LAYERS))
+    side_inputs: list[str] = field(default_factory=lambda: ["position_ids"])
+    log_metrics: bool = True
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up and cosine decay."""
+
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoint cadence, fine-tuning start point and resumption."""
+
+    every_n_steps: int = 50
+    save_top_k: int = 1
+    init_from: str | None = None
+    resume_from: str | None = None
+
+
+@dataclass
+class Config:
+    """The whole configuration of one ``lightning-cp`` run."""
+
+    seed: int = 1234
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+CHOICES: dict[str, tuple[Any, ...]] = {
+    "trainer.accelerator": ("cpu", "gpu", "cuda", "auto"),
+    "trainer.precision": ("64-true", "32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true"),
+    "strategy.boundary_layout": ("contiguous", "zigzag"),
+    "strategy.attention_mode": ("allgather", "ring"),
+    "strategy.process_group_backend": (None, "gloo", "nccl"),
+}
+POSITIVE = (
+    "model.vocab_size",
+    "model.hidden_size",
+    "model.num_layers",
+    "model.num_heads",
+    "model.num_kv_heads",
+    "model.intermediate_size",
+    "data.tokens_per_sample",
+    "data.samples_per_batch",
+    "trainer.num_nodes",
+    "trainer.accumulate_grad_batches",
+    "strategy.tensor_parallel_size",
+    "checkpoint.every_n_steps",
+)
+
+
+def _schema_node(full_key: str) -> tuple[type | None, str]:
+    """Return the dataclass holding ``full_key`` (or None) and the key's last part."""
+    node: Any = Config
+    *parents, leaf = full_key.split(".")
+    for part in parents:
+        fields = {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
+        if part not in fields:
+            return None, leaf
+        node = typing.get_type_hints(node)[part]
+    return (node if dataclasses.is_dataclass(node) else None), leaf
+
+
+def _describe(full_key: str) -> str:
+    """Describe what ``full_key`` accepts: its choices, or its declared type."""
+    if full_key in CHOICES:
+        return "one of " + ", ".join("null" if c is None else str(c) for c in CHOICES[full_key])
+    holder, leaf = _schema_node(full_key)
+    if holder is None:
+        return "a value"
+    hint = typing.get_type_hints(holder)[leaf]
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
+    if optional:
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    text = hint.__name__ if typing.get_origin(hint) is None else str(hint)
+    return f"a value of type {text}" + (" or null" if optional else "")
+
+
+def _explain(error: OmegaConfBaseException, origin: str, layer: Any) -> ConfigError:
+    """Turn an omegaconf error into one line naming the key and the allowed keys or values."""
+    full_key = getattr(error, "full_key", None) or ""
+    if isinstance(error, ConfigKeyError) or "not in" in str(error):
+        holder, leaf = _schema_node(full_key)
+        section = full_key.rsplit(".", 1)[0] if "." in full_key else "top level"
+        allowed = ", ".join(f.name for f in dataclasses.fields(holder)) if holder else ""
+        return ConfigError(f"unknown key '{full_key or leaf}' in {origin}; allowed keys in {section}: {allowed}")
+    if isinstance(error, ValidationError):
+        value = OmegaConf.select(layer, full_key, default="?", throw_on_missing=False)
+        return ConfigError(f"{full_key}: got '{value}' from {origin}; expected {_describe(full_key)}")
+    return ConfigError(f"{origin}: {str(error).splitlines()[0]}")
+
+
+def _check_values(cfg: DictConfig) -> None:
+    """Check choices, positive sizes and the world size against cp x tp."""
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}: got '{value}'; expected {_describe(key)}")
+    for key in POSITIVE:
+        value = OmegaConf.select(cfg, key)
+        if value < 1:
+            raise ConfigError(f"{key}: got {value}; expected an integer >= 1")
+    if not 0.0 <= cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction: got {cfg.data.val_fraction}; expected a number in [0, 1)")
+    cp = cfg.strategy.context_parallel_size
+    if cp is not None and cp < 1:
+        raise ConfigError(f"strategy.context_parallel_size: got {cp}; expected an integer >= 1 or null")
+    devices = cfg.trainer.devices
+    per_node = len(devices) if OmegaConf.is_list(devices) else devices
+    if isinstance(per_node, int) and not isinstance(per_node, bool) and per_node > 0:
+        world = per_node * cfg.trainer.num_nodes
+        group = (cp or per_node) * cfg.strategy.tensor_parallel_size
+        if world % group:
+            raise ConfigError(
+                f"world size {world} (trainer.devices={per_node} x trainer.num_nodes={cfg.trainer.num_nodes}) "
+                f"is not divisible by strategy.context_parallel_size x strategy.tensor_parallel_size = {group}"
+            )
+    elif not (isinstance(devices, str) and devices == "auto") and not OmegaConf.is_list(devices) and devices != -1:
+        raise ConfigError(f"trainer.devices: got '{devices}'; expected a positive integer, a list of ids, -1 or auto")
+
+
+def resolve_config_path(name: str) -> Path:
+    """Return the YAML file ``name``: a path, or the name of a packaged config (``cp4_cpu``, ``gpu``, ...)."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    packaged = resources.files(PACKAGED_CONFIGS) / f"{name.removesuffix('.yaml')}.yaml"
+    if packaged.is_file():
+        return Path(str(packaged))
+    available = ", ".join(
+        sorted(
+            p.name.removesuffix(".yaml")
+            for p in resources.files(PACKAGED_CONFIGS).iterdir()
+            if p.name.endswith(".yaml")
+        )
+    )
+    raise ConfigError(f"--config {name}: no such file and no packaged config of that name (packaged: {available})")
+
+
+def load_config(config_file: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """Merge the structured defaults, the YAML file and the ``key=value`` overrides; fail on bad keys or values."""
+    cfg = OmegaConf.structured(Config)
+    layers: list[tuple[str, Any]] = []
+    if config_file is not None:
+        path = resolve_config_path(config_file)
+        try:
+            layers.append((str(path), OmegaConf.load(path)))
+        except Exception as error:  # noqa: BLE001 - any YAML problem becomes one clear line
+            raise ConfigError(f"{path}: not a valid YAML mapping ({str(error).splitlines()[0]})") from None
+    for override in overrides:
+        if "=" not in override:
+            raise ConfigError(f"override '{override}' is not of the form key=value (e.g. trainer.max_steps=100)")
+    if overrides:
+        try:
+            layers.append(("the command line", OmegaConf.from_dotlist(list(overrides))))
+        except OmegaConfBaseException as error:
+            raise ConfigError(f"command line: {str(error).splitlines()[0]}") from None
+    for origin, layer in layers:
+        try:
+            cfg = OmegaConf.merge(cfg, layer)
+        except OmegaConfBaseException as error:
+            raise _explain(error, origin, layer) from None
+    _check_values(cfg)
+    return cfg
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    """Return the configuration as YAML text."""
+    return OmegaConf.to_yaml(cfg)

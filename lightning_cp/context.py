@@ -1,0 +1,215 @@
+"""The active per-step context-parallel state and ``cp_attention``, the attention entry point for model code."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+
+from lightning_cp.attention import zigzag_attention
+from lightning_cp.layout import ContextParallelLayoutState, CPLayout
+from lightning_cp.packed import PackedSeqParams
+
+
+@dataclass
+class ContextParallelStep:
+    """What one training/evaluation step shares with the model: groups, layout state and packed metadata.
+
+    ``layout_state`` is the manager's per-forward state for the wrapped layers (``None`` at cp=1 or without a layout
+    transition); ``conversion_state`` is a state whose plan converts any per-token tensor (``None`` only at cp=1).
+    Wrapped layers push their layout on entry and pop it on exit, so ``cp_attention`` sees the layout of the layer it
+    runs in; outside every wrapped layer it sees the boundary layout.
+    """
+
+    cp_size: int
+    cp_group: ProcessGroup | None = None
+    tp_group: ProcessGroup | None = None
+    tp_cp_group: ProcessGroup | None = None
+    sequence_parallel: bool = False
+    attention_mode: str = "allgather"
+    boundary_layout: CPLayout = CPLayout.CONTIGUOUS
+    layout_state: ContextParallelLayoutState | None = None
+    conversion_state: ContextParallelLayoutState | None = None
+    contiguous_packed_seq_params: PackedSeqParams | None = None
+    zigzag_packed_seq_params: PackedSeqParams | None = None
+    dense_padding: int = 0
+    layer_conversion_count: int = 0
+    _entered_layouts: list[CPLayout] = field(default_factory=list)
+    _side_input_cache: dict[tuple[int, CPLayout], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def is_packed(self) -> bool:
+        """Return whether this step's batch is packed."""
+        return self.contiguous_packed_seq_params is not None
+
+    @property
+    def current_layout(self) -> CPLayout:
+        """Return the layout of the innermost wrapped layer running now, else the boundary layout."""
+        return self._entered_layouts[-1] if self._entered_layouts else self.boundary_layout
+
+    @property
+    def loss_group(self) -> ProcessGroup | None:
+        """Return the group whose ranks together hold the replica's tokens (TP x CP with sequence parallelism)."""
+        return self.tp_cp_group if self.sequence_parallel else self.cp_group
+
+    @property
+    def current_packed_seq_params(self) -> PackedSeqParams | None:
+        """Return the packed metadata of the tokens as they are laid out now (``None`` for dense batches)."""
+        return self.packed_seq_params_for(self.current_layout)
+
+    def packed_seq_params_for(self, layout: CPLayout) -> PackedSeqParams | None:
+        """Return the packed metadata describing tokens held in ``layout``."""
+        if layout == CPLayout.ZIGZAG and self.cp_size > 1:
+            return self.zigzag_packed_seq_params
+        return self.contiguous_packed_seq_params
+
+    def enter_layer(self, layer_index: int, layout: CPLayout, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Convert a wrapped layer's input to its layout and make that layout current."""
+        converted = hidden_states
+        if self.layout_state is not None:
+            converted, _ = self.layout_state.prepare_layer(layer_index, hidden_states)
+        self.layer_conversion_count += converted is not hidden_states
+        self._entered_layouts.append(layout)
+        return converted
+
+    def exit_layer(self, layer_index: int, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Leave a wrapped layer, restoring the boundary layout after the last one."""
+        self._entered_layouts.pop()
+        if self.layout_state is None:
+            return hidden_states
+        restored = self.layout_state.finalize_layer(layer_index, hidden_states)
+        self.layer_conversion_count += restored is not hidden_states
+        return restored
+
+    def convert(self, tensor: torch.Tensor, source: CPLayout, target: CPLayout) -> torch.Tensor:
+        """Convert a batch-first per-token tensor between layouts with this step's plan."""
+        if source == target or self.conversion_state is None:
+            return tensor
+        return self.conversion_state.convert(tensor, source, target)
+
+    def convert_side_input(self, tensor: torch.Tensor, layout: CPLayout) -> torch.Tensor:
+        """Convert a per-token side input from the boundary layout to ``layout``, once per step unless it needs grad."""
+        if tensor.requires_grad:
+            return self.convert(tensor, self.boundary_layout, layout)
+        key = (id(tensor), layout)
+        cached = self._side_input_cache.get(key)
+        if cached is None or cached[0] is not tensor:
+            cached = (tensor, self.convert(tensor, self.boundary_layout, layout))
+            self._side_input_cache[key] = cached
+        return cached[1]
+
+
+_active_step: ContextParallelStep | None = None
+
+
+def active_step() -> ContextParallelStep | None:
+    """Return the step state set by ``ContextParallelLayoutCallback``, or ``None`` outside a CP step."""
+    return _active_step
+
+
+def set_active_step(step: ContextParallelStep | None) -> None:
+    """Make ``step`` the active state (``None`` clears it); a module global so autograd threads see it too."""
+    global _active_step
+    _active_step = step
+
+
+@contextmanager
+def activated(step: ContextParallelStep) -> Iterator[ContextParallelStep]:
+    """Make ``step`` active inside the block."""
+    previous = _active_step
+    set_active_step(step)
+    try:
+        yield step
+    finally:
+        set_active_step(previous)
+
+
+def local_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Single-device attention on batch-first ``[B, S, H, D]``; with ``cu_seqlens`` tokens attend within documents."""
+    if k.shape[2] != q.shape[2]:
+        if q.shape[2] % k.shape[2] != 0:
+            raise ValueError(f"query heads {q.shape[2]} are not a multiple of key/value heads {k.shape[2]}")
+        repeats = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
+    query, key, value = (tensor.transpose(1, 2) for tensor in (q, k, v))
+    if cu_seqlens is None:
+        output = F.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=softmax_scale)
+    else:
+        output = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=document_attention_mask(cu_seqlens, q.shape[1], causal), scale=softmax_scale
+        )
+    return output.transpose(1, 2)
+
+
+def document_attention_mask(cu_seqlens: torch.Tensor, token_count: int, causal: bool) -> torch.Tensor:
+    """Return the ``[T, T]`` boolean mask letting each token see its own document (tokens past the end: each other)."""
+    positions = torch.arange(token_count, device=cu_seqlens.device)
+    document = torch.searchsorted(cu_seqlens[1:].long(), positions, right=True)
+    mask = document[:, None] == document[None, :]
+    if causal:
+        mask &= positions[:, None] >= positions[None, :]
+    return mask
+
+
+def cp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Attention for model code on batch-first ``[B, S_local, H, D]`` shards (packed: ``B == 1``).
+
+    Under an active CP step it runs ``zigzag_attention`` over the CP group with the step's attention mode and the
+    packed metadata of the layer it runs in, converting q/k/v to zigzag (and the output back) when that layer is not
+    zigzag. Without CP it is single-device attention, masked per document for packed batches.
+    """
+    step = _active_step
+    if step is None or step.cp_size == 1:
+        cu_seqlens = step.contiguous_packed_seq_params.cu_seqlens_q if step is not None and step.is_packed else None
+        return local_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
+    if not causal and not step.is_packed and step.dense_padding:
+        raise ValueError(
+            f"bidirectional dense attention would see {step.dense_padding} padding tokens per row: make the sequence "
+            f"length divisible by 2 x cp x tp or use packed batches"
+        )
+    layout = step.current_layout
+    if layout != CPLayout.ZIGZAG:
+        q, k, v = (step.convert(tensor, layout, CPLayout.ZIGZAG) for tensor in (q, k, v))
+    if step.is_packed:
+        output = zigzag_attention(
+            q[0],
+            k[0],
+            v[0],
+            step.cp_group,
+            packed_seq_params=step.zigzag_packed_seq_params,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            mode=step.attention_mode,
+        ).unsqueeze(0)
+    else:
+        output = zigzag_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            step.cp_group,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            mode=step.attention_mode,
+        ).transpose(0, 1)
+    if layout != CPLayout.ZIGZAG:
+        output = step.convert(output, CPLayout.ZIGZAG, layout)
+    return output

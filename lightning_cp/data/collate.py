@@ -1,0 +1,27 @@
+"""Collators that build the replica batches of the batch contract (``docs/ARCHITECTURE.md``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lightning_cp.data.packing import Pack
+
+
+def collate_packed(packs: Sequence[Pack]) -> dict[str, torch.Tensor]:
+    """Concatenate packs into one packed row: ``input_ids`` ``[1, T]`` and int32 ``cu_seqlens`` ``[n + 1]``."""
+    offsets = [torch.zeros(1, dtype=torch.int32)]
+    total = 0
+    for pack in packs:
+        offsets.append(pack.cu_seqlens[1:] + total)
+        total += pack.num_tokens
+    return {
+        "input_ids": torch.cat([pack.input_ids for pack in packs]).unsqueeze(0),
+        "cu_seqlens": torch.cat(offsets).to(torch.int32),
+    }
+
+
+def collate_dense(rows: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stack equal-length token rows into a dense ``input_ids`` ``[B, S]`` batch."""
+    return {"input_ids": torch.stack(list(rows))}

@@ -1,0 +1,75 @@
+"""A deterministic, resumable sampler: the data order is a pure function of the seed, epoch and batch index."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+
+class ResumableSampler(Sampler[int]):
+    """Yield this data-parallel rank's share of ``passes`` seeded passes over ``num_samples`` samples per epoch.
+
+    The stream of one epoch is cut to a multiple of ``num_replicas * batch_size`` and dealt out round-robin, so
+    every replica gets whole batches. ``skip_batches(epoch, n)`` makes the next iteration of that epoch start at
+    its ``n``-th batch, which is how a resumed run continues with the same data order. The length stays that of the
+    whole epoch because Lightning restores how many batches of it were already done.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int = 1,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        passes: int = 1,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
+        if num_samples < num_replicas * batch_size:
+            raise ValueError(
+                f"{num_samples} samples cannot fill one batch of {batch_size} on each of {num_replicas} replicas"
+            )
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.passes = passes
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.epoch = 0
+        self._skip: dict[int, int] = {}
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Number of batches each replica sees per epoch."""
+        return self.passes * self.num_samples // (self.num_replicas * self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order the next iteration yields (Lightning calls this)."""
+        self.epoch = epoch
+
+    def skip_batches(self, epoch: int, batches: int) -> None:
+        """Start the next iteration of ``epoch`` at batch ``batches`` (clamped to the epoch length)."""
+        self._skip = {epoch: max(0, min(batches, self.batches_per_epoch))}
+
+    def _stream(self) -> torch.Tensor:
+        """Return the sample order of the current epoch over all replicas."""
+        orders = []
+        for p in range(self.passes):
+            if self.shuffle:
+                generator = torch.Generator().manual_seed(self.seed + self.epoch * self.passes + p)
+                orders.append(torch.randperm(self.num_samples, generator=generator))
+            else:
+                orders.append(torch.arange(self.num_samples))
+        return torch.cat(orders)[: self.batches_per_epoch * self.num_replicas * self.batch_size]
+
+    def __iter__(self) -> Iterator[int]:
+        mine = self._stream()[self.rank :: self.num_replicas]
+        start = self._skip.get(self.epoch, 0) * self.batch_size
+        return iter(mine[start:].tolist())
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch * self.batch_size

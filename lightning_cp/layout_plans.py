@@ -1,0 +1,422 @@
+"""Pure plan building for CP layout conversion: layouts, segment ownership and all-to-all-v plans, no process group."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+
+class CPLayout(str, Enum):
+    """Sequence layout of CP shards: contiguous slices or load-balanced zigzag chunks."""
+
+    CONTIGUOUS = "contiguous"
+    ZIGZAG = "zigzag"
+
+
+_ALLOWED_LAYOUTS = ", ".join(repr(layout.value) for layout in CPLayout)
+
+
+def _as_layout(layout: CPLayout | str) -> CPLayout:
+    """Return ``layout`` as a ``CPLayout``, so plain strings work wherever a layout is taken."""
+    if isinstance(layout, CPLayout):
+        return layout
+    try:
+        return CPLayout(layout)
+    except ValueError:
+        raise ValueError(f"unknown CP layout {layout!r}; expected one of {_ALLOWED_LAYOUTS}") from None
+
+
+@dataclass(frozen=True)
+class _LayoutRedistributionPlan:
+    """Rank-local all-to-all plan expressed in sequence-segment counts.
+
+    ``send_slots`` lists local source slots in sending order (by destination group rank, then segment id);
+    ``receive_permutation[j]`` is the received segment that becomes local target slot ``j``.
+    """
+
+    send_slots: tuple[int, ...]
+    input_segment_counts: tuple[int, ...]
+    output_segment_counts: tuple[int, ...]
+    receive_permutation: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class THDCPLayoutPlan:
+    """Rank-local all-to-all-v plan for packed sequence layout conversion.
+
+    Forward fields describe contiguous-to-zigzag conversion. Reverse fields describe the inverse conversion.
+    The plan is built once per packed batch and reused around every attention layer. The two trailing flags
+    mark index steps that are the identity, so conversion can skip their copies.
+    """
+
+    contiguous_local_token_count: int
+    zigzag_local_token_count: int
+    cu_seqlens_padded: torch.Tensor
+    max_seqlen_padded: int
+    pad_between_seqs: bool
+    forward_send_indices: torch.Tensor
+    forward_receive_positions: torch.Tensor
+    forward_input_split_sizes: tuple[int, ...]
+    forward_output_split_sizes: tuple[int, ...]
+    reverse_send_indices: torch.Tensor
+    reverse_receive_indices: torch.Tensor
+    forward_send_is_identity: bool = False
+    forward_receive_is_identity: bool = False
+
+    @property
+    def group_size(self) -> int:
+        """Return the size of the TP x CP group the plan was built for."""
+        return len(self.forward_input_split_sizes)
+
+    def to(self, device: torch.device | str) -> THDCPLayoutPlan:
+        """Return the plan with its index tensors on ``device`` (itself when already there)."""
+        device = torch.device(device)
+        if self.forward_send_indices.device == device:
+            return self
+        return THDCPLayoutPlan(
+            contiguous_local_token_count=self.contiguous_local_token_count,
+            zigzag_local_token_count=self.zigzag_local_token_count,
+            cu_seqlens_padded=self.cu_seqlens_padded.to(device, non_blocking=True),
+            max_seqlen_padded=self.max_seqlen_padded,
+            pad_between_seqs=self.pad_between_seqs,
+            forward_send_indices=self.forward_send_indices.to(device, non_blocking=True),
+            forward_receive_positions=self.forward_receive_positions.to(device, non_blocking=True),
+            forward_input_split_sizes=self.forward_input_split_sizes,
+            forward_output_split_sizes=self.forward_output_split_sizes,
+            reverse_send_indices=self.reverse_send_indices.to(device, non_blocking=True),
+            reverse_receive_indices=self.reverse_receive_indices.to(device, non_blocking=True),
+            forward_send_is_identity=self.forward_send_is_identity,
+            forward_receive_is_identity=self.forward_receive_is_identity,
+        )
+
+
+def _check_coordinates(cp_size: int, cp_rank: int, tp_size: int, tp_rank: int) -> None:
+    """Reject group sizes below one and ranks outside their group."""
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be at least 1, got {cp_size}")
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be at least 1, got {tp_size}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} is outside [0, {cp_size})")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} is outside [0, {tp_size})")
+
+
+def _segments_per_rank(tp_size: int) -> int:
+    """Return two segments for CP-only conversion and one for even-TP SP conversion."""
+    return 1 if tp_size % 2 == 0 else 2
+
+
+def _segments_per_chunk(tp_size: int) -> int:
+    """Return how many segments make one of the ``2 * cp`` zigzag chunks."""
+    return tp_size * _segments_per_rank(tp_size) // 2
+
+
+def _local_segment_ids(
+    layout: CPLayout,
+    cp_size: int,
+    cp_rank: int,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+) -> tuple[int, ...]:
+    """Return the atomic sequence segments owned by one TP x CP rank."""
+    layout = _as_layout(layout)
+    _check_coordinates(cp_size, cp_rank, tp_size, tp_rank)
+    per_rank = _segments_per_rank(tp_size)
+    if layout is CPLayout.CONTIGUOUS:
+        logical_rank = cp_rank * tp_size + tp_rank
+        return tuple(range(logical_rank * per_rank, (logical_rank + 1) * per_rank))
+    per_chunk = _segments_per_chunk(tp_size)
+    back_chunk = 2 * cp_size - 1 - cp_rank
+    cp_rank_segments = [
+        *range(cp_rank * per_chunk, (cp_rank + 1) * per_chunk),
+        *range(back_chunk * per_chunk, (back_chunk + 1) * per_chunk),
+    ]
+    return tuple(cp_rank_segments[tp_rank * per_rank : (tp_rank + 1) * per_rank])
+
+
+def _segment_owner(
+    segment_id: int,
+    layout: CPLayout,
+    cp_size: int,
+    tp_size: int,
+) -> tuple[int, int]:
+    """Return the ``(cp_rank, tp_rank)`` that holds ``segment_id`` in ``layout``."""
+    layout = _as_layout(layout)
+    per_rank = _segments_per_rank(tp_size)
+    if not 0 <= segment_id < cp_size * tp_size * per_rank:
+        raise ValueError(f"segment_id {segment_id} is outside [0, {cp_size * tp_size * per_rank})")
+    if layout is CPLayout.CONTIGUOUS:
+        return divmod(segment_id // per_rank, tp_size)
+    per_chunk = _segments_per_chunk(tp_size)
+    chunk, offset = divmod(segment_id, per_chunk)
+    is_back = chunk >= cp_size
+    cp_rank = 2 * cp_size - 1 - chunk if is_back else chunk
+    position_in_cp_rank = offset + (per_chunk if is_back else 0)
+    return cp_rank, position_in_cp_rank // per_rank
+
+
+def _build_group_rank_by_logical_rank(
+    cp_global_ranks: tuple[int, ...],
+    tp_global_ranks: tuple[int, ...],
+    tp_cp_global_ranks: tuple[int, ...],
+    current_global_rank: int,
+) -> tuple[int, ...]:
+    """Map logical cp_rank * tp_size + tp_rank coordinates to group ranks."""
+    expected = len(cp_global_ranks) * len(tp_global_ranks)
+    if len(tp_cp_global_ranks) != expected:
+        raise ValueError(
+            f"TP x CP group of size {len(tp_cp_global_ranks)} is not the product of the CP group size "
+            f"{len(cp_global_ranks)} and the TP group size {len(tp_global_ranks)} (expected {expected})"
+        )
+    group_rank_of_global = {global_rank: group_rank for group_rank, global_rank in enumerate(tp_cp_global_ranks)}
+    group_ranks = tuple(
+        group_rank_of_global.get(cp_peer + tp_peer - current_global_rank, -1)
+        for cp_peer in cp_global_ranks
+        for tp_peer in tp_global_ranks
+    )
+    if -1 in group_ranks or len(set(group_ranks)) != expected:
+        raise ValueError(
+            f"TP group (size {len(tp_global_ranks)}) and CP group (size {len(cp_global_ranks)}) do not form a "
+            f"Cartesian product of the TP x CP group {tuple(tp_cp_global_ranks)}: expected every global rank "
+            "cp_peer + tp_peer - current_rank to be a distinct member of it"
+        )
+    return group_ranks
+
+
+@functools.lru_cache(maxsize=1024)
+def _build_layout_redistribution_plan(
+    source_layout: CPLayout,
+    target_layout: CPLayout,
+    cp_size: int,
+    cp_rank: int,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    group_rank_by_logical_rank: tuple[int, ...] | None = None,
+) -> _LayoutRedistributionPlan:
+    """Build the all-to-all-v plan for one rank of a CP layout conversion."""
+    source_layout, target_layout = _as_layout(source_layout), _as_layout(target_layout)
+    _check_coordinates(cp_size, cp_rank, tp_size, tp_rank)
+    group_size = cp_size * tp_size
+    group_ranks = tuple(range(group_size)) if group_rank_by_logical_rank is None else group_rank_by_logical_rank
+    if len(group_ranks) != group_size:
+        raise ValueError(f"group_rank_by_logical_rank has {len(group_ranks)} entries, expected {group_size}")
+
+    def group_rank_of(segment_id: int, layout: CPLayout) -> int:
+        owner_cp_rank, owner_tp_rank = _segment_owner(segment_id, layout, cp_size, tp_size)
+        return group_ranks[owner_cp_rank * tp_size + owner_tp_rank]
+
+    source_ids = _local_segment_ids(source_layout, cp_size, cp_rank, tp_size, tp_rank)
+    target_ids = _local_segment_ids(target_layout, cp_size, cp_rank, tp_size, tp_rank)
+    send_keys = [(group_rank_of(segment, target_layout), segment) for segment in source_ids]
+    send_slots = tuple(sorted(range(len(source_ids)), key=send_keys.__getitem__))
+    receive_keys = sorted((group_rank_of(segment, source_layout), segment) for segment in target_ids)
+    received_segments = [segment for _, segment in receive_keys]
+    input_counts = [0] * group_size
+    for destination, _ in send_keys:
+        input_counts[destination] += 1
+    output_counts = [0] * group_size
+    for origin, _ in receive_keys:
+        output_counts[origin] += 1
+    return _LayoutRedistributionPlan(
+        send_slots=send_slots,
+        input_segment_counts=tuple(input_counts),
+        output_segment_counts=tuple(output_counts),
+        receive_permutation=tuple(received_segments.index(segment) for segment in target_ids),
+    )
+
+
+def _check_cu_seqlens_structure(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None) -> None:
+    """Reject offsets of the wrong type, dtype, rank or size, and padded offsets that do not match them."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"cu_seqlens must have dtype torch.int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1:
+        raise ValueError(f"cu_seqlens must be 1-D, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must have at least 2 entries, got {cu_seqlens.numel()}")
+    if cu_seqlens_padded is None:
+        return
+    if not isinstance(cu_seqlens_padded, torch.Tensor):
+        raise ValueError(f"cu_seqlens_padded must be a torch.Tensor, got {type(cu_seqlens_padded).__name__}")
+    if cu_seqlens_padded.shape != cu_seqlens.shape:
+        raise ValueError(
+            f"cu_seqlens_padded has shape {tuple(cu_seqlens_padded.shape)}, expected the shape of cu_seqlens "
+            f"{tuple(cu_seqlens.shape)}"
+        )
+    if cu_seqlens_padded.dtype != cu_seqlens.dtype:
+        raise ValueError(f"cu_seqlens_padded has dtype {cu_seqlens_padded.dtype}, expected {cu_seqlens.dtype}")
+    if cu_seqlens_padded.device != cu_seqlens.device:
+        raise ValueError(f"cu_seqlens_padded is on {cu_seqlens_padded.device}, expected {cu_seqlens.device}")
+
+
+def _check_offsets(name: str, offsets: torch.Tensor) -> torch.Tensor:
+    """Return the per-sequence lengths of cumulative ``offsets`` after checking they start at 0 and never decrease."""
+    if int(offsets[0]) != 0:
+        raise ValueError(f"{name} must start at 0, got {int(offsets[0])}")
+    lengths = offsets[1:] - offsets[:-1]
+    if bool((lengths < 0).any()):
+        index = int(torch.nonzero(lengths < 0)[0, 0])
+        raise ValueError(
+            f"{name} must be non-decreasing, but entry {index + 1} ({int(offsets[index + 1])}) is smaller than "
+            f"entry {index} ({int(offsets[index])})"
+        )
+    return lengths
+
+
+def _tp_alignment_blocks(zigzag_tokens_per_cp_rank: int, tp_size: int) -> int:
+    """Return the fewest ``2 * cp`` blocks to add so each CP rank's zigzag token count divides by ``tp_size``."""
+    return next(extra for extra in range(tp_size) if (zigzag_tokens_per_cp_rank + 2 * extra) % tp_size == 0)
+
+
+def _build_thd_rank_order_indices(
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None,
+    cp_size: int,
+    tp_size: int,
+    expected_source_token_count: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Build padded dual-chunk attention order without Transformer Engine helpers.
+
+    Returns the source index of every padded attention position grouped by target logical rank (``-1`` for
+    padding) and the padded cumulative offsets of the zigzag side (int32).
+    """
+    _check_cu_seqlens_structure(cu_seqlens, cu_seqlens_padded)
+    if cp_size < 1 or tp_size < 1:
+        raise ValueError(f"cp_size and tp_size must be at least 1, got {cp_size} and {tp_size}")
+    offsets = cu_seqlens.to(torch.int64)
+    lengths = _check_offsets("cu_seqlens", offsets)
+    if cu_seqlens_padded is None:
+        physical_offsets, physical_lengths = offsets, lengths
+    else:
+        physical_offsets = cu_seqlens_padded.to(torch.int64)
+        physical_lengths = _check_offsets("cu_seqlens_padded", physical_offsets)
+        too_short = physical_lengths < lengths
+        if bool(too_short.any()):
+            index = int(torch.nonzero(too_short)[0, 0])
+            raise ValueError(
+                f"cu_seqlens_padded gives sequence {index} a padded length of {int(physical_lengths[index])}, "
+                f"shorter than its actual length {int(lengths[index])}"
+            )
+    token_count = int(physical_offsets[-1])
+    if expected_source_token_count is not None and expected_source_token_count != token_count:
+        raise ValueError(
+            f"total_tokens is {expected_source_token_count}, but the physical token count of the packed "
+            f"sequences is {token_count}"
+        )
+    group_size = cp_size * tp_size
+    if token_count % group_size != 0:
+        raise ValueError(
+            f"packed token count {token_count} is not divisible by cp_size * tp_size = {cp_size} * {tp_size}"
+        )
+    two_cp = 2 * cp_size
+    padded_lengths = (physical_lengths + two_cp - 1) // two_cp * two_cp
+    if tp_size > 1:
+        extra_blocks = _tp_alignment_blocks(int(padded_lengths.sum()) // cp_size, tp_size)
+        padded_lengths[-1] += two_cp * extra_blocks
+    padded_offsets = torch.zeros_like(offsets)
+    torch.cumsum(padded_lengths, 0, out=padded_offsets[1:])
+    padded_total = int(padded_offsets[-1])
+    sequence_count = lengths.numel()
+    sequence = torch.repeat_interleave(torch.arange(sequence_count, device=offsets.device), padded_lengths)
+    position = torch.arange(padded_total, device=offsets.device)
+    starts = padded_offsets[:-1]
+    offset_in_sequence = position - starts[sequence]
+    chunk_length = (padded_lengths // two_cp)[sequence]
+    chunk = offset_in_sequence // chunk_length
+    is_back = chunk >= cp_size
+    cp_rank = torch.where(is_back, two_cp - 1 - chunk, chunk)
+    destination = (
+        cp_rank * (padded_total // cp_size)
+        + (starts // cp_size)[sequence]
+        + (offset_in_sequence - chunk * chunk_length)
+        + is_back * chunk_length
+    )
+    source = torch.where(
+        offset_in_sequence < physical_lengths[sequence],
+        position + (physical_offsets[:-1] - starts)[sequence],
+        -1,
+    )
+    rank_order_indices = torch.empty_like(source)
+    rank_order_indices[destination] = source
+    return rank_order_indices, padded_offsets.to(torch.int32)
+
+
+def _build_thd_cp_layout_plan_from_rank_order_indices(
+    rank_order_indices: torch.Tensor,
+    source_token_count: int,
+    cu_seqlens_padded: torch.Tensor,
+    cp_size: int,
+    cp_rank: int,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    group_rank_by_logical_rank: tuple[int, ...] | None = None,
+    pad_between_seqs: bool | torch.Tensor = False,
+) -> THDCPLayoutPlan:
+    """Build a packed layout plan from source indices grouped by target logical rank.
+
+    rank_order_indices contains one entry for every padded attention position. Non-negative entries identify
+    positions in the contiguous input; -1 entries are temporary padding. Within every message tokens travel in
+    the receiver's order, so the sender gathers once and the receiver places once.
+    """
+    _check_coordinates(cp_size, cp_rank, tp_size, tp_rank)
+    group_size = cp_size * tp_size
+    padded_total = rank_order_indices.numel()
+    if padded_total % group_size != 0:
+        raise ValueError(f"rank_order_indices has {padded_total} entries, not divisible by {group_size} ranks")
+    if source_token_count % group_size != 0:
+        raise ValueError(f"source token count {source_token_count} is not divisible by {group_size} ranks")
+    group_ranks = tuple(range(group_size)) if group_rank_by_logical_rank is None else group_rank_by_logical_rank
+    if len(group_ranks) != group_size:
+        raise ValueError(f"group_rank_by_logical_rank has {len(group_ranks)} entries, expected {group_size}")
+    device = rank_order_indices.device
+    group_rank_table = torch.tensor(group_ranks, dtype=torch.int64, device=device)
+    zigzag_count = padded_total // group_size
+    contiguous_count = source_token_count // group_size
+    logical_rank = cp_rank * tp_size + tp_rank
+    indices = rank_order_indices.to(torch.int64)
+
+    zigzag_slice = indices[logical_rank * zigzag_count : (logical_rank + 1) * zigzag_count]
+    received_positions = torch.nonzero(zigzag_slice >= 0).flatten()
+    origin = group_rank_table[zigzag_slice[received_positions] // contiguous_count]
+    receive_order = torch.argsort(origin, stable=True)
+    forward_receive_positions = received_positions[receive_order]
+    output_split_sizes = torch.bincount(origin, minlength=group_size)
+
+    first_source = logical_rank * contiguous_count
+    is_mine = (indices >= first_source) & (indices < first_source + contiguous_count)
+    sent_positions = torch.nonzero(is_mine).flatten()
+    if sent_positions.numel() != contiguous_count:
+        raise ValueError(
+            f"rank_order_indices place {sent_positions.numel()} of logical rank {logical_rank}'s "
+            f"{contiguous_count} tokens, expected each exactly once"
+        )
+    destination = group_rank_table[sent_positions // zigzag_count]
+    send_order = torch.argsort(destination, stable=True)
+    forward_send_indices = indices[sent_positions[send_order]] - first_source
+    input_split_sizes = torch.bincount(destination, minlength=group_size)
+
+    reverse_receive_indices = torch.empty_like(forward_send_indices)
+    reverse_receive_indices[forward_send_indices] = torch.arange(contiguous_count, device=device)
+    lengths = cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]
+    return THDCPLayoutPlan(
+        contiguous_local_token_count=contiguous_count,
+        zigzag_local_token_count=zigzag_count,
+        cu_seqlens_padded=cu_seqlens_padded,
+        max_seqlen_padded=int(lengths.max()) if lengths.numel() else 0,
+        pad_between_seqs=bool(pad_between_seqs),
+        forward_send_indices=forward_send_indices,
+        forward_receive_positions=forward_receive_positions,
+        forward_input_split_sizes=tuple(input_split_sizes.tolist()),
+        forward_output_split_sizes=tuple(output_split_sizes.tolist()),
+        reverse_send_indices=forward_receive_positions,
+        reverse_receive_indices=reverse_receive_indices,
+        forward_send_is_identity=bool(torch.equal(forward_send_indices, torch.arange(contiguous_count, device=device))),
+        forward_receive_is_identity=bool(
+            torch.equal(forward_receive_positions, torch.arange(zigzag_count, device=device))
+        ),
+    )

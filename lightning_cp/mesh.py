@@ -1,0 +1,116 @@
+"""The ``DeviceMesh`` (data x context x tensor parallel, tensor fastest) and the process groups cut from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_cp import comm
+
+MESH_DIM_NAMES = ("data_parallel", "context_parallel", "tensor_parallel")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the three mesh dimensions; their product is the world size."""
+
+    data_parallel: int
+    context_parallel: int
+    tensor_parallel: int
+
+    @property
+    def world_size(self) -> int:
+        """Return the number of ranks the mesh spans."""
+        return self.data_parallel * self.context_parallel * self.tensor_parallel
+
+
+def resolve_parallel_dims(
+    world_size: int,
+    context_parallel_size: int,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int | Literal["auto"] = "auto",
+    sequence_parallel: bool = False,
+) -> ParallelDims:
+    """Check the sizes against the world size and resolve ``"auto"``; raise ``ValueError`` naming the numbers."""
+    validate_parallel_sizes(context_parallel_size, tensor_parallel_size, data_parallel_size, sequence_parallel)
+    model_parallel = context_parallel_size * tensor_parallel_size
+    if world_size % model_parallel != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by context_parallel_size x tensor_parallel_size = "
+            f"{context_parallel_size} x {tensor_parallel_size} = {model_parallel}"
+        )
+    replicas = world_size // model_parallel
+    if data_parallel_size != "auto" and data_parallel_size != replicas:
+        raise ValueError(
+            f"data_parallel_size={data_parallel_size} does not fit world size {world_size}: it must be world size / "
+            f"(context_parallel_size x tensor_parallel_size) = {world_size} / {model_parallel} = {replicas}"
+        )
+    return ParallelDims(replicas, context_parallel_size, tensor_parallel_size)
+
+
+def validate_parallel_sizes(
+    context_parallel_size: int | None,
+    tensor_parallel_size: int,
+    data_parallel_size: int | Literal["auto"],
+    sequence_parallel: bool,
+) -> None:
+    """Check what needs no world size: every size at least 1, sequence parallelism only with tp > 1."""
+    sizes = {
+        "context_parallel_size": context_parallel_size,
+        "tensor_parallel_size": tensor_parallel_size,
+        "data_parallel_size": data_parallel_size,
+    }
+    for name, size in sizes.items():
+        if size is None or (name == "data_parallel_size" and size == "auto"):
+            continue
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            allowed = "an integer >= 1 or 'auto'" if name == "data_parallel_size" else "an integer >= 1"
+            raise ValueError(f"{name}={size!r} is invalid: expected {allowed}")
+    if sequence_parallel and tensor_parallel_size == 1:
+        raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1, got tensor_parallel_size=1")
+
+
+@dataclass(frozen=True)
+class ContextParallelMesh:
+    """The device mesh with its CP, TP, TP x CP, DP and DP x CP process groups."""
+
+    dims: ParallelDims
+    device_mesh: DeviceMesh
+    cp_group: ProcessGroup
+    tp_group: ProcessGroup
+    tp_cp_group: ProcessGroup
+    dp_group: ProcessGroup
+    dp_cp_group: ProcessGroup
+
+    @property
+    def cp_rank(self) -> int:
+        """Return this rank's coordinate along ``context_parallel``."""
+        return self.device_mesh.get_local_rank("context_parallel")
+
+    @property
+    def tp_rank(self) -> int:
+        """Return this rank's coordinate along ``tensor_parallel``."""
+        return self.device_mesh.get_local_rank("tensor_parallel")
+
+    @property
+    def dp_rank(self) -> int:
+        """Return this rank's coordinate along ``data_parallel``."""
+        return self.device_mesh.get_local_rank("data_parallel")
+
+
+def build_context_parallel_mesh(device_type: str, dims: ParallelDims) -> ContextParallelMesh:
+    """Build the mesh over the default group (global rank = (dp * cp + cp_rank) * tp + tp_rank) and its groups."""
+    shape = (dims.data_parallel, dims.context_parallel, dims.tensor_parallel)
+    device_mesh = comm.init_device_mesh(device_type, shape, MESH_DIM_NAMES)
+    return ContextParallelMesh(
+        dims=dims,
+        device_mesh=device_mesh,
+        cp_group=comm.flattened_mesh_group(device_mesh, ("context_parallel",)),
+        tp_group=comm.flattened_mesh_group(device_mesh, ("tensor_parallel",)),
+        tp_cp_group=comm.flattened_mesh_group(device_mesh, ("context_parallel", "tensor_parallel")),
+        dp_group=comm.flattened_mesh_group(device_mesh, ("data_parallel",)),
+        dp_cp_group=comm.flattened_mesh_group(device_mesh, ("data_parallel", "context_parallel")),
+    )

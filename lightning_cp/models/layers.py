@@ -1,0 +1,93 @@
+"""Llama building blocks: rotary embeddings from position ids, GQA attention through ``cp_attention``, SwiGLU."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_cp.context import cp_attention
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple:
+    """Return ``cos, sin`` ``[B, S, 1, head_dim]`` for the (global, per-document) ``position_ids`` ``[B, S]``."""
+    exponent = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float64) / head_dim
+    inv_freq = (1.0 / theta**exponent).to(dtype)
+    angles = position_ids.to(dtype).unsqueeze(-1) * inv_freq
+    angles = torch.cat([angles, angles], dim=-1).unsqueeze(2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[B, S, H, D]`` by the rotary angles (rotate-half convention)."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with RoPE, run across context-parallel ranks by ``cp_attention``."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, rope_theta: float) -> None:
+        super().__init__()
+        if hidden_size % num_heads or num_heads % num_kv_heads:
+            raise ValueError(
+                f"hidden_size ({hidden_size}) must divide by num_heads ({num_heads}) "
+                f"and num_heads by num_kv_heads ({num_kv_heads})"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = hidden_size // num_heads
+        self.rope_theta = rope_theta
+        self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Attend over ``x`` ``[B, S_local, hidden]`` whose tokens sit at ``position_ids`` ``[B, S_local]``."""
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.rope_theta, q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = cp_attention(q, k, v, causal=True)
+        return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    """The gated MLP ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the MLP token-wise."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm Llama block; called as ``block(h, position_ids=...)`` so the layout callback can convert both."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        intermediate_size: int,
+        rope_theta: float,
+        norm_eps: float,
+    ) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(hidden_size, eps=norm_eps)
+        self.attention = Attention(hidden_size, num_heads, num_kv_heads, rope_theta)
+        self.mlp_norm = nn.RMSNorm(hidden_size, eps=norm_eps)
+        self.mlp = SwiGLU(hidden_size, intermediate_size)
+
+    def forward(self, h: torch.Tensor, *, position_ids: torch.Tensor) -> torch.Tensor:
+        """Return the block output for hidden states ``[B, S_local, hidden]``."""
+        h = h + self.attention(self.attention_norm(h), position_ids)
+        return h + self.mlp(self.mlp_norm(h))

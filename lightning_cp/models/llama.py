@@ -1,0 +1,58 @@
+"""The Llama-style decoder stack as a plain ``nn.Module``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_cp.models.layers import DecoderBlock
+
+
+class LlamaDecoder(nn.Module):
+    """Token embedding, ``num_layers`` decoder blocks, final RMSNorm and the (tied or untied) output head."""
+
+    def __init__(
+        self,
+        vocab_size: int = 257,
+        hidden_size: int = 128,
+        num_layers: int = 4,
+        num_heads: int = 4,
+        num_kv_heads: int = 2,
+        intermediate_size: int = 352,
+        rope_theta: float = 10000.0,
+        norm_eps: float = 1e-5,
+        tie_embeddings: bool = True,
+        init_std: float = 0.02,
+        activation_checkpointing: bool = False,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderBlock(hidden_size, num_heads, num_kv_heads, intermediate_size, rope_theta, norm_eps)
+            for _ in range(num_layers)
+        )
+        self.norm = nn.RMSNorm(hidden_size, eps=norm_eps)
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+        self.activation_checkpointing = activation_checkpointing
+        self._init_weights(init_std, num_layers)
+        if tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def _init_weights(self, std: float, num_layers: int) -> None:
+        """Normal init; output projections of the residual branches scaled down by ``sqrt(2 * num_layers)``."""
+        for name, param in self.named_parameters():
+            if param.dim() < 2:
+                continue
+            scale = (2 * num_layers) ** -0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+            nn.init.normal_(param, mean=0.0, std=std * scale)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Return logits ``[B, S_local, vocab]`` for this rank's tokens ``[B, S_local]``."""
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                h = checkpoint(layer, h, use_reentrant=False, position_ids=position_ids)
+            else:
+                h = layer(h, position_ids=position_ids)
+        return self.lm_head(self.norm(h))

@@ -1,0 +1,193 @@
+"""The run folder: its location, the saved configuration, ``metrics.csv`` bookkeeping and the loss plot."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+
+RUN_DIR_ENV = "LIGHTNING_CP_RUN_DIR"
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.csv"
+PLOT_FILE = "loss.png"
+CHECKPOINT_DIR = "checkpoints"
+LAST_CHECKPOINT = "last.ckpt"
+VAL_STEP = "trained_steps"
+FIRST_COLUMNS = ("step", "epoch", "train_loss", "val_loss", VAL_STEP)
+
+
+def latest_run(root: Path) -> Path | None:
+    """Return the most recently modified run folder under ``root`` that holds a last checkpoint."""
+    runs = [p.parent.parent for p in root.glob(f"*/{CHECKPOINT_DIR}/{LAST_CHECKPOINT}")]
+    return max(runs, key=lambda p: (p / CHECKPOINT_DIR / LAST_CHECKPOINT).stat().st_mtime) if runs else None
+
+
+def resolve_run_dir(cfg: DictConfig) -> Path:
+    """Return the run folder and pin it in the environment so ranks started later by Lightning agree on it.
+
+    ``run.name`` names the folder under ``run.root``; without one a fresh run is named by its start time and a run
+    resumed with ``checkpoint.resume_from=last`` continues the latest run under the root.
+    """
+    pinned = os.environ.get(RUN_DIR_ENV)
+    if pinned:
+        return Path(pinned)
+    root = Path(cfg.run.root).expanduser()
+    if cfg.run.name:
+        run_dir = root / cfg.run.name
+    elif cfg.checkpoint.resume_from == "last" and (latest := latest_run(root)) is not None:
+        run_dir = latest
+    else:
+        run_dir = root / time.strftime("%Y%m%d-%H%M%S")
+    os.environ[RUN_DIR_ENV] = str(run_dir.resolve())
+    return run_dir.resolve()
+
+
+def resolve_checkpoint(path: str | None, run_dir: Path) -> str | None:
+    """Return the checkpoint file ``path`` names; ``"last"`` is the run folder's ``checkpoints/last.ckpt``."""
+    if path is None:
+        return None
+    resolved = run_dir / CHECKPOINT_DIR / LAST_CHECKPOINT if path == "last" else Path(path).expanduser()
+    if not resolved.is_file():
+        raise FileNotFoundError(f"checkpoint {resolved} does not exist")
+    return str(resolved)
+
+
+def save_config(cfg: DictConfig, run_dir: Path) -> Path:
+    """Write the merged configuration (with the resolved run name) into the run folder."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = cfg.copy()
+    cfg.run.name = run_dir.name
+    path = run_dir / CONFIG_FILE
+    OmegaConf.save(cfg, path)
+    return path
+
+
+def read_metrics(path: Path) -> list[dict[str, str]]:
+    """Return the rows of a ``metrics.csv`` (empty when it does not exist)."""
+    if not path.is_file():
+        return []
+    with path.open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def truncate_metrics(path: Path, first_dropped_step: int) -> None:
+    """Drop rows logged at or after ``first_dropped_step`` (an interrupted run's steps past its checkpoint)."""
+    rows = read_metrics(path)
+    if rows:
+        write_metrics(path, [row for row in rows if int(row["step"]) < first_dropped_step], list(rows[0]))
+
+
+class MetricsCSVLogger(Logger):
+    """Append every logged row to ``<run_dir>/metrics.csv``, flushing each time (a killed run keeps its rows).
+
+    Unlike Lightning's ``CSVLogger`` it never deletes an existing file, so a resumed run continues the same one.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__()
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / METRICS_FILE
+        self._fields: list[str] | None = None
+
+    @property
+    def name(self) -> str:
+        """Return the run name."""
+        return self.run_dir.name
+
+    @property
+    def version(self) -> str:
+        """Return an empty version: the run folder is the version."""
+        return ""
+
+    @property
+    def save_dir(self) -> str:
+        """Return the run folder."""
+        return str(self.run_dir)
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        """Ignore hyperparameters: the run folder's ``config.yaml`` holds them."""
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Append one row, rewriting the file when a new column appears."""
+        row = {"step": str(step if step is not None else 0)}
+        row.update({key: str(float(value)) for key, value in metrics.items()})
+        if self._fields is None:
+            rows = read_metrics(self.path)
+            self._fields = list(rows[0]) if rows else []
+        new = sorted(key for key in row if key not in self._fields)
+        if new:
+            self._fields = sorted({*self._fields, *new}, key=column_order)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            write_metrics(self.path, [*read_metrics(self.path), row], self._fields)
+            return
+        with self.path.open("a", newline="") as handle:
+            csv.DictWriter(handle, fieldnames=self._fields, restval="").writerow(row)
+
+
+def column_order(name: str) -> tuple[int, str]:
+    """Sort key of a metrics column: step and the losses first, then the rest by name."""
+    return (FIRST_COLUMNS.index(name) if name in FIRST_COLUMNS else len(FIRST_COLUMNS), name)
+
+
+def write_metrics(path: Path, rows: list[dict[str, str]], fields: list[str]) -> None:
+    """Write ``rows`` with the columns ``fields`` (missing cells empty)."""
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def loss_series(rows: list[dict[str, str]], column: str, step_column: str = "step") -> tuple[list[int], list[float]]:
+    """Return the ``(steps, values)`` of one metric column, skipping empty cells."""
+    points = [(int(float(row[step_column])), float(row[column])) for row in rows if row.get(column) not in (None, "")]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def plot_losses(run_dir: Path) -> Path:
+    """Plot train and validation loss against the step into ``loss.png`` (matplotlib, Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir / METRICS_FILE)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    steps, values = loss_series(rows, "train_loss")
+    ax.plot(steps, values, "-", label="train loss", linewidth=0.8, alpha=0.8)
+    steps, values = loss_series(rows, "val_loss", step_column=VAL_STEP)
+    ax.plot(steps, values, "o-", label="validation loss", markersize=4, linewidth=1.5)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats per byte)")
+    ax.set_title(f"lightning-cp fit: {run_dir.name}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = run_dir / PLOT_FILE
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def summary(run_dir: Path) -> str:
+    """Return a one-paragraph summary of the run: steps, first and last validation loss, files."""
+    rows = read_metrics(run_dir / METRICS_FILE)
+    steps, train = loss_series(rows, "train_loss")
+    val_steps, val = loss_series(rows, "val_loss", step_column=VAL_STEP)
+    parts = [f"run folder: {run_dir}"]
+    if steps:
+        parts.append(f"trained to step {steps[-1] + 1}, last train loss {train[-1]:.4f}")
+    if val:
+        ppl = math.exp(val[-1]) if val[-1] < 50 else float("inf")
+        first, last = f"{val[0]:.4f} (step {val_steps[0]})", f"{val[-1]:.4f} (step {val_steps[-1]}, ppl {ppl:.2f})"
+        parts.append(f"val loss {first} -> {last}")
+    return "\n".join(parts)

@@ -1,0 +1,120 @@
+"""Build the datamodule, model and Trainer of a configuration and run ``fit`` or ``validate``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_cp import runfolder
+from lightning_cp.callback import ContextParallelLayoutCallback
+from lightning_cp.data import PackedTextDataModule
+from lightning_cp.models import LlamaLM
+from lightning_cp.strategy import CPZigzagStrategy
+
+
+def build_datamodule(cfg: DictConfig) -> PackedTextDataModule:
+    """Return the packed-text datamodule of ``cfg.data``."""
+    data = cfg.data
+    return PackedTextDataModule(
+        sources=list(data.sources),
+        val_sources=list(data.val_sources) if data.val_sources else None,
+        val_fraction=data.val_fraction,
+        split_seed=data.split_seed,
+        tokens_per_sample=data.tokens_per_sample,
+        samples_per_batch=data.samples_per_batch,
+        packed=data.packed,
+        shuffle=data.shuffle,
+        seed=cfg.seed,
+        num_workers=data.num_workers,
+    )
+
+
+def build_model(cfg: DictConfig) -> LlamaLM:
+    """Return the reference model of ``cfg.model`` and ``cfg.optim``, with weights from ``checkpoint.init_from``."""
+    optim = OmegaConf.to_container(cfg.optim)
+    optim["betas"] = tuple(optim["betas"])
+    model = LlamaLM(**OmegaConf.to_container(cfg.model), **optim)
+    if cfg.checkpoint.init_from:
+        state = torch.load(cfg.checkpoint.init_from, map_location="cpu", weights_only=False)
+        model.load_state_dict(state.get("state_dict", state))
+    return model
+
+
+def build_strategy(cfg: DictConfig) -> CPZigzagStrategy:
+    """Return the ``cp_zigzag`` strategy of ``cfg.strategy``."""
+    kwargs: dict[str, Any] = OmegaConf.to_container(cfg.strategy)
+    return CPZigzagStrategy(**kwargs)
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path, *, log: bool = True) -> pl.Trainer:
+    """Return a Trainer that logs ``metrics.csv`` (unless ``log`` is false) and checkpoints into ``run_dir``."""
+    checkpoint = ModelCheckpoint(
+        dirpath=run_dir / runfolder.CHECKPOINT_DIR,
+        filename="step{step:06d}",
+        auto_insert_metric_name=False,
+        every_n_train_steps=cfg.checkpoint.every_n_steps,
+        save_top_k=cfg.checkpoint.save_top_k,
+        monitor=None,
+        save_last=True,
+    )
+    trainer_args: dict[str, Any] = OmegaConf.to_container(cfg.trainer)
+    layout_callback = ContextParallelLayoutCallback(**OmegaConf.to_container(cfg.layout))
+    return pl.Trainer(
+        **trainer_args,
+        strategy=build_strategy(cfg),
+        logger=runfolder.MetricsCSVLogger(run_dir) if log else False,
+        callbacks=[layout_callback, checkpoint, LearningRateMonitor(logging_interval="step")],
+        use_distributed_sampler=False,
+        enable_checkpointing=True,
+    )
+
+
+def prepare_run(cfg: DictConfig) -> tuple[Path, str | None]:
+    """Resolve the run folder and the checkpoint to resume; on rank 0 save the config and trim stale metrics."""
+    run_dir = runfolder.resolve_run_dir(cfg)
+    resume = runfolder.resolve_checkpoint(cfg.checkpoint.resume_from, run_dir)
+    cfg.checkpoint.init_from = runfolder.resolve_checkpoint(cfg.checkpoint.init_from, run_dir)
+    if rank_zero_only.rank == 0:
+        runfolder.save_config(cfg, run_dir)
+        if resume is not None:
+            step = torch.load(resume, map_location="cpu", weights_only=False)["global_step"]
+            runfolder.truncate_metrics(run_dir / runfolder.METRICS_FILE, step)
+    return run_dir, resume
+
+
+def fit(cfg: DictConfig) -> Path:
+    """Train (from scratch, from ``init_from`` or resuming ``resume_from``); return the run folder."""
+    run_dir, resume = prepare_run(cfg)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule = build_datamodule(cfg)
+    model = build_model(cfg)
+    trainer = build_trainer(cfg, run_dir)
+    if resume is None:
+        trainer.validate(model, datamodule=datamodule, verbose=False)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=resume)
+    if trainer.is_global_zero:
+        runfolder.plot_losses(run_dir)
+        print(runfolder.summary(run_dir), flush=True)
+    return run_dir
+
+
+def validate(cfg: DictConfig) -> float:
+    """Return the validation loss of the checkpoint named by ``resume_from`` or ``init_from``."""
+    run_dir = runfolder.resolve_run_dir(cfg)
+    ckpt = runfolder.resolve_checkpoint(cfg.checkpoint.resume_from or cfg.checkpoint.init_from, run_dir)
+    if ckpt is None:
+        raise FileNotFoundError("validate needs checkpoint.init_from=PATH (or checkpoint.resume_from=last)")
+    cfg.checkpoint.init_from, cfg.checkpoint.resume_from = ckpt, None
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    trainer = build_trainer(cfg, run_dir, log=False)
+    results = trainer.validate(build_model(cfg), datamodule=build_datamodule(cfg), verbose=False)
+    loss = float(results[0]["val_loss"])
+    if trainer.is_global_zero:
+        print(f"validation loss of {ckpt}: {loss:.6f}", flush=True)
+    return loss

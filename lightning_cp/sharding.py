@@ -1,0 +1,140 @@
+"""Pure batch preparation: per-document label shift, global position ids, padding and contiguous shard slicing."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class ShardedBatch:
+    """This rank's contiguous shard of one replica batch and the global metadata of that batch.
+
+    ``cu_seqlens`` are the actual global document offsets; ``cu_seqlens_padded`` the physical ones, equal except that
+    the last document also owns the trailing padding. Both are ``None`` for dense batches.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    loss_token_count: int
+    real_token_count: int
+    sequence_length: int
+    padded_sequence_length: int
+    padding_token_count: int
+    cu_seqlens: torch.Tensor | None
+    cu_seqlens_padded: torch.Tensor | None
+
+    @property
+    def is_packed(self) -> bool:
+        """Return whether the batch is packed (one row of many documents)."""
+        return self.cu_seqlens is not None
+
+
+def shift_labels(labels: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Return ``labels`` moved one token left within each document (``[B, S]``), ``IGNORE_INDEX`` at document ends."""
+    shifted = torch.full_like(labels, IGNORE_INDEX)
+    shifted[:, :-1] = labels[:, 1:]
+    if cu_seqlens is not None:
+        document_ends = cu_seqlens[1:].long() - 1
+        shifted[:, document_ends[document_ends >= 0]] = IGNORE_INDEX
+    return shifted
+
+
+def document_position_ids(cu_seqlens: torch.Tensor, token_count: int) -> torch.Tensor:
+    """Return each token's position inside its document for a packed row of ``token_count`` tokens (0 past the end)."""
+    offsets = cu_seqlens.long()
+    positions = torch.arange(token_count, dtype=torch.long, device=cu_seqlens.device)
+    document_index = torch.searchsorted(offsets[1:], positions, right=True).clamp(max=offsets.numel() - 2)
+    position_ids = positions - offsets[document_index]
+    position_ids[positions >= offsets[-1]] = 0
+    return position_ids
+
+
+def padded_length(length: int, multiple: int) -> int:
+    """Return the smallest multiple of ``multiple`` that is at least ``length``."""
+    return -(-length // multiple) * multiple
+
+
+def validate_replica_batch(batch: Mapping[str, torch.Tensor]) -> None:
+    """Check a replica batch against the batch contract; raise ``ValueError`` naming what is wrong."""
+    if "input_ids" not in batch:
+        raise ValueError(f"a batch needs 'input_ids'; got keys {sorted(batch)}")
+    input_ids = batch["input_ids"]
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, S]; got shape {tuple(input_ids.shape)}")
+    labels = batch.get("labels")
+    if labels is not None and labels.shape != input_ids.shape:
+        raise ValueError(f"labels shape {tuple(labels.shape)} differs from input_ids shape {tuple(input_ids.shape)}")
+    cu_seqlens = batch.get("cu_seqlens")
+    if cu_seqlens is None:
+        return
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"a packed batch has batch size 1; got input_ids shape {tuple(input_ids.shape)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor of n + 1 offsets; got {cu_seqlens}")
+    token_count = input_ids.shape[1]
+    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != token_count:
+        raise ValueError(
+            f"cu_seqlens must start at 0 and end at the token count {token_count}; got {cu_seqlens.tolist()}"
+        )
+    if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+        raise ValueError(f"cu_seqlens must be non-decreasing; got {cu_seqlens.tolist()}")
+
+
+def shard_replica_batch(
+    batch: Mapping[str, torch.Tensor],
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    sequence_parallel: bool = False,
+) -> ShardedBatch:
+    """Shift labels, compute position ids, pad and slice this rank's contiguous shard of a replica batch.
+
+    Packed rows are padded so the token count divides by ``cp * tp``; dense rows by ``2 * cp * tp`` (whole zigzag
+    chunks). With sequence parallelism the shard is the ``cp_rank * tp + tp_rank``-th of ``cp * tp`` slices, else
+    the ``cp_rank``-th of ``cp`` (every TP rank holds the CP rank's tokens).
+    """
+    validate_replica_batch(batch)
+    input_ids = batch["input_ids"]
+    labels = batch.get("labels", input_ids)
+    cu_seqlens = batch.get("cu_seqlens")
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
+    batch_size, sequence_length = input_ids.shape
+    shifted_labels = shift_labels(labels, cu_seqlens)
+    multiple = cp_size * tp_size if cu_seqlens is not None else 2 * cp_size * tp_size
+    padded_sequence_length = padded_length(sequence_length, multiple)
+    padding = padded_sequence_length - sequence_length
+    if cu_seqlens is not None:
+        position_ids = document_position_ids(cu_seqlens, padded_sequence_length).unsqueeze(0)
+        cu_seqlens_padded = cu_seqlens.clone()
+        cu_seqlens_padded[-1] = padded_sequence_length
+    else:
+        position_ids = torch.arange(padded_sequence_length, device=input_ids.device).expand(batch_size, -1)
+        position_ids = position_ids.masked_fill(position_ids >= sequence_length, 0)
+        cu_seqlens_padded = None
+    padded_input_ids = torch.nn.functional.pad(input_ids, (0, padding), value=0)
+    padded_labels = torch.nn.functional.pad(shifted_labels, (0, padding), value=IGNORE_INDEX)
+    shard_count, shard_index = (
+        (cp_size * tp_size, cp_rank * tp_size + tp_rank) if sequence_parallel else (cp_size, cp_rank)
+    )
+    shard_length = padded_sequence_length // shard_count
+    shard = slice(shard_index * shard_length, (shard_index + 1) * shard_length)
+    return ShardedBatch(
+        input_ids=padded_input_ids[:, shard],
+        labels=padded_labels[:, shard],
+        position_ids=position_ids[:, shard],
+        loss_token_count=int((shifted_labels != IGNORE_INDEX).sum()),
+        real_token_count=batch_size * sequence_length,
+        sequence_length=sequence_length,
+        padded_sequence_length=padded_sequence_length,
+        padding_token_count=batch_size * padding,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_padded=cu_seqlens_padded,
+    )

@@ -1,0 +1,168 @@
+"""``CPZigzagStrategy`` (``strategy="cp_zigzag"``): DDP over data x context parallel ranks of a device mesh."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_cp import comm
+from lightning_cp.callback import ContextParallelLayoutCallback
+from lightning_cp.layout import CPLayout
+from lightning_cp.mesh import (
+    ContextParallelMesh,
+    build_context_parallel_mesh,
+    resolve_parallel_dims,
+    validate_parallel_sizes,
+)
+
+ATTENTION_MODES = ("allgather", "ring")
+
+
+class CPZigzagStrategy(DDPStrategy):
+    """Context parallelism for any LightningModule: a data x context x tensor parallel mesh, DDP over DP x CP.
+
+    Args:
+        context_parallel_size: ranks sharing one sequence; ``None`` = all devices of a node.
+        tensor_parallel_size: ranks of one tensor-parallel group (applied by the module's ``configure_model``).
+        data_parallel_size: replicas; ``"auto"`` = world size / (cp x tp).
+        sequence_parallel: the residual stream is also sharded over the TP ranks (needs tp > 1).
+        boundary_layout: layout of the residual stream outside the wrapped layers, ``"contiguous"`` or ``"zigzag"``.
+        attention_mode: ``"allgather"`` (all-gather K/V) or ``"ring"`` (pass K/V blocks around the CP ring).
+        **kwargs: the usual ``DDPStrategy`` options (``process_group_backend``, ``timeout``, ``start_method``) and
+            keyword arguments of ``DistributedDataParallel`` (``find_unused_parameters``, ``static_graph``, ...).
+
+    Every CP and TP rank of a replica sees the same batch (the sampler splits over DP only); gradients are averaged
+    over DP x CP; checkpoints hold the plain module state and load at any cp or under any other strategy. The mesh
+    is ``trainer.strategy.device_mesh`` and ``LightningModule.device_mesh`` in ``configure_model``.
+    """
+
+    strategy_name = "cp_zigzag"
+
+    def __init__(
+        self,
+        context_parallel_size: int | None = None,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int | Literal["auto"] = "auto",
+        sequence_parallel: bool = False,
+        boundary_layout: Literal["contiguous", "zigzag"] = "contiguous",
+        attention_mode: Literal["allgather", "ring"] = "allgather",
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        validate_parallel_sizes(context_parallel_size, tensor_parallel_size, data_parallel_size, sequence_parallel)
+        if boundary_layout not in tuple(layout.value for layout in CPLayout):
+            raise ValueError(f"boundary_layout={boundary_layout!r} is invalid: expected 'contiguous' or 'zigzag'")
+        if attention_mode not in ATTENTION_MODES:
+            raise ValueError(f"attention_mode={attention_mode!r} is invalid: expected 'allgather' or 'ring'")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **kwargs,
+        )
+        self.context_parallel_size = context_parallel_size
+        self.tensor_parallel_size = tensor_parallel_size
+        self.data_parallel_size = data_parallel_size
+        self.sequence_parallel = sequence_parallel
+        self.boundary_layout = boundary_layout
+        self.attention_mode = attention_mode
+        self._cp_mesh: ContextParallelMesh | None = None
+
+    @property
+    def cp_mesh(self) -> ContextParallelMesh:
+        """Return the mesh and its groups (available once processes are initialised)."""
+        if self._cp_mesh is None:
+            raise RuntimeError("the cp_zigzag device mesh exists only after the strategy set up its processes")
+        return self._cp_mesh
+
+    @property
+    def device_mesh(self) -> Any:
+        """Return the ``DeviceMesh`` with dimensions ``data_parallel``, ``context_parallel``, ``tensor_parallel``."""
+        return self.cp_mesh.device_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Split data over the data-parallel replicas only."""
+        return {"num_replicas": self.cp_mesh.dims.data_parallel, "rank": self.cp_mesh.dp_rank}
+
+    def connect(self, model: pl.LightningModule) -> None:
+        """Attach the model and add a default ``ContextParallelLayoutCallback`` unless the trainer has one."""
+        super().connect(model)
+        trainer = model._trainer
+        if trainer is not None and not any(isinstance(cb, ContextParallelLayoutCallback) for cb in trainer.callbacks):
+            trainer.callbacks.append(ContextParallelLayoutCallback())
+
+    def setup_environment(self) -> None:
+        """Check the sizes against the world size, start the processes' group and build the mesh."""
+        context_parallel_size = self.context_parallel_size or self.num_processes
+        dims = resolve_parallel_dims(
+            self.num_nodes * self.num_processes,
+            context_parallel_size,
+            self.tensor_parallel_size,
+            self.data_parallel_size,
+            self.sequence_parallel,
+        )
+        super().setup_environment()
+        self._cp_mesh = build_context_parallel_mesh(self.root_device.type, dims)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._cp_mesh.device_mesh
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Like ``DDPStrategy.setup``, but evaluation synchronises weights over DP x CP instead of the whole world."""
+        assert self.accelerator is not None
+        assert self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if fitting:
+            self.configure_ddp()
+            self.setup_optimizers(trainer)
+        else:
+            comm.broadcast_module_states(self.model, self.cp_mesh.dp_cp_group)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        """Wrap the model in DDP over the DP x CP group."""
+        device_ids = self.determine_ddp_device_ids()
+        return DistributedDataParallel(
+            module=model, device_ids=device_ids, process_group=self.cp_mesh.dp_cp_group, **self._ddp_kwargs
+        )
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``"cp_zigzag"``."""
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description="Context parallelism with zigzag attention over a device mesh"
+            )
+
+
+CPZigzagStrategy.register_strategies(StrategyRegistry)

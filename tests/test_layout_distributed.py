@@ -1,0 +1,125 @@
+"""Real gloo ranks: dense and packed conversions, round trips and gradients against the plain reference layouts."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_cp.layout import build_thd_cp_layout_plan, contiguous_to_zigzag, zigzag_to_contiguous
+from tests.distributed_harness import run_on_ranks
+from tests.test_layout_reference import dense_positions, random_packed_case, take, thd_positions
+
+
+def make_groups(cp: int, tp: int, tp_fastest: bool = True):
+    """Build CP, TP and TP x CP groups over the world; return them with this rank's ``(cp_rank, tp_rank)``."""
+    world = dist.get_world_size()
+    assert world == cp * tp
+
+    def coordinates(global_rank: int) -> tuple[int, int]:
+        return divmod(global_rank, tp) if tp_fastest else (global_rank % cp, global_rank // cp)
+
+    global_of = {coordinates(g): g for g in range(world)}
+    cp_groups = [dist.new_group([global_of[(c, t)] for c in range(cp)]) for t in range(tp)]
+    tp_groups = [dist.new_group([global_of[(c, t)] for t in range(tp)]) for c in range(cp)]
+    tp_cp_group = dist.new_group(list(range(world)))
+    cp_rank, tp_rank = coordinates(dist.get_rank())
+    return cp_groups[tp_rank], tp_groups[cp_rank], tp_cp_group, cp_rank, tp_rank
+
+
+def _random(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The same random tensor on every rank."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _check_dense(cp, tp, logical, groups, seq_dim) -> None:
+    """Values, round trip and both backward directions of a dense conversion along ``seq_dim``."""
+    length = 2 * cp * tp * 3
+    shape = (length, 3) if seq_dim == 0 else (2, length, 3)
+    sequence, upstream = _random(shape, 1), _random(shape, 2)
+    contiguous = dense_positions("contiguous", cp, tp, length)[logical]
+    zigzag = dense_positions("zigzag", cp, tp, length)[logical]
+    local = take(sequence, contiguous, seq_dim).requires_grad_()
+    converted = contiguous_to_zigzag(local, *groups, seq_dim=seq_dim)
+    assert torch.equal(converted, take(sequence, zigzag, seq_dim))
+    converted.backward(take(upstream, zigzag, seq_dim))
+    assert torch.equal(local.grad, take(upstream, contiguous, seq_dim))
+    zigzag_local = converted.detach().requires_grad_()
+    restored = zigzag_to_contiguous(zigzag_local, *groups, seq_dim=seq_dim)
+    assert torch.equal(restored, take(sequence, contiguous, seq_dim))
+    restored.backward(take(upstream, contiguous, seq_dim))
+    assert torch.equal(zigzag_local.grad, take(upstream, zigzag, seq_dim))
+
+
+def _check_packed(cp, tp, logical, groups, cu, cu_padded, seq_dim) -> None:
+    """Plan metadata, values, round trip and gradients of a packed conversion; padding slots are zeros."""
+    token_count = (cu_padded or cu)[-1]
+    positions, offsets = thd_positions(cu, cu_padded, cp, tp)
+    shard = token_count // (cp * tp)
+    plan = build_thd_cp_layout_plan(
+        torch.tensor(cu, dtype=torch.int32),
+        token_count,
+        groups[0],
+        None if cu_padded is None else torch.tensor(cu_padded, dtype=torch.int32),
+        *groups[1:],
+    )
+    assert plan.cu_seqlens_padded.tolist() == offsets and plan.cu_seqlens_padded.dtype == torch.int32
+    assert plan.max_seqlen_padded == max(b - a for a, b in pairwise(offsets))
+    assert plan.pad_between_seqs == (offsets != cu)
+    zigzag_slots = len(positions[logical])
+    assert plan.zigzag_local_token_count == zigzag_slots and plan.contiguous_local_token_count == shard
+
+    def shaped(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.stack([tensor, -tensor]) if seq_dim == 1 else tensor
+
+    stream, upstream = _random((token_count, 4), 3), _random((token_count, 4), 4)
+    zigzag_upstream = _random((sum(len(p) for p in positions), 4), 5)[logical * zigzag_slots :][:zigzag_slots]
+    own = list(range(logical * shard, (logical + 1) * shard))
+    local = shaped(stream[own]).requires_grad_()
+    converted = contiguous_to_zigzag(local, *groups, thd_plan=plan, seq_dim=seq_dim)
+    assert torch.equal(converted, shaped(take(stream, positions[logical])))
+    converted.backward(shaped(zigzag_upstream))
+    gradient = torch.zeros(token_count, 4, dtype=torch.float64)
+    flat = [p for rank in positions for p in rank]
+    all_upstream = _random((len(flat), 4), 5)
+    for slot, source in enumerate(flat):
+        if source >= 0:
+            gradient[source] = all_upstream[slot]
+    assert torch.equal(local.grad, shaped(gradient[own]))
+    zigzag_local = converted.detach().requires_grad_()
+    restored = zigzag_to_contiguous(zigzag_local, *groups, thd_plan=plan, seq_dim=seq_dim)
+    assert torch.equal(restored, shaped(stream[own]))
+    restored.backward(shaped(upstream[own]))
+    assert torch.equal(zigzag_local.grad, shaped(take(upstream, positions[logical])))
+
+
+def _conversion_checks(cp: int, tp: int, tp_fastest: bool) -> int:
+    """Run every conversion check for one group shape; return how many ran."""
+    cp_group, tp_group, tp_cp_group, cp_rank, tp_rank = make_groups(cp, tp, tp_fastest)
+    shapes = [(cp, 1, cp_rank, (cp_group, False, None, None))]
+    if tp > 1:
+        shapes.append((cp, tp, cp_rank * tp + tp_rank, (cp_group, True, tp_group, tp_cp_group)))
+    generator = torch.Generator().manual_seed(7 * cp + tp)
+    checks = 0
+    for cp_size, tp_size, logical, groups in shapes:
+        for seq_dim in (0, 1):
+            _check_dense(cp_size, tp_size, logical, groups, seq_dim)
+            checks += 1
+        cases = [random_packed_case(generator, cp_size, tp_size, padding) for padding in (False, True, True)]
+        cases.append(([0, 2 * cp_size * tp_size, 4 * cp_size * tp_size], None))
+        for index, (cu, cu_padded) in enumerate(cases):
+            _check_packed(cp_size, tp_size, logical, groups, cu, cu_padded, seq_dim=index % 2)
+            checks += 1
+    return checks
+
+
+@pytest.mark.parametrize(
+    ("cp", "tp", "tp_fastest"),
+    [(2, 1, True), (3, 1, True), (4, 1, True), (2, 2, True), (2, 2, False), (2, 3, True)],
+    ids=["cp2", "cp3", "cp4", "tp2xcp2-tp-fastest", "tp2xcp2-cp-fastest", "tp3xcp2"],
+)
+def test_conversions_on_gloo_ranks(cp, tp, tp_fastest):
+    counts = run_on_ranks(_conversion_checks, cp * tp, cp, tp, tp_fastest, timeout=120)
+    assert len(set(counts)) == 1 and counts[0] >= 6

@@ -1,0 +1,222 @@
+"""A small RoPE transformer (and a hybrid with a recurrent block) for the strategy tests, plus an independent reference.
+
+The reference trains the same model in one process without Lightning or ``lightning_cp``'s batch preparation:
+labels shifted per document, positions and attention masks are computed here from the raw batches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_cp import comm, cp_attention, cp_cross_entropy
+from lightning_cp.context import active_step
+
+VOCAB = 32
+HIDDEN = 16
+HEADS = 2
+LEARNING_RATE = 0.2
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def rotary(x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[B, S, H, D]`` by RoPE angles of ``position_ids`` ``[B, S]``."""
+    half = x.shape[-1] // 2
+    frequencies = 1.0 / (100.0 ** (torch.arange(half, dtype=x.dtype, device=x.device) / half))
+    angles = position_ids.to(x.dtype)[..., None] * frequencies
+    cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+    first, second = x[..., :half], x[..., half:]
+    return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
+
+
+class AttentionBlock(nn.Module):
+    """Pre-norm causal self-attention with RoPE and an MLP, both residual."""
+
+    def __init__(self, owner: TinyTransformer) -> None:
+        super().__init__()
+        self.owner = [owner]
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.out = nn.Linear(HIDDEN, HIDDEN)
+        self.mlp = nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN))
+
+    def forward(self, h: torch.Tensor, *, position_ids: torch.Tensor) -> torch.Tensor:
+        """Return ``h`` plus attention and MLP updates."""
+        self.owner[0].record_layout(self)
+        batch, seq, _ = h.shape
+        q, k, v = self.qkv(self.norm(h)).view(batch, seq, 3, HEADS, HIDDEN // HEADS).unbind(2)
+        q, k = rotary(q, position_ids), rotary(k, position_ids)
+        h = h + self.out(self.owner[0].attention_fn(q, k, v).reshape(batch, seq, HIDDEN))
+        return h + self.mlp(h)
+
+
+class RecurrentBlock(nn.Module):
+    """Token shift within documents: each token mixes in the previous token, which needs the contiguous layout."""
+
+    def __init__(self, owner: TinyTransformer) -> None:
+        super().__init__()
+        self.owner = [owner]
+        self.mix = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, h: torch.Tensor, *, position_ids: torch.Tensor) -> torch.Tensor:
+        """Return ``h + tanh(mix(previous token))`` where the previous token is in the same document."""
+        self.owner[0].record_layout(self)
+        previous = torch.cat([previous_rank_last_token(h), h[:, :-1]], dim=1)
+        same_document = (position_ids > 0).unsqueeze(-1).to(h.dtype)
+        return h + torch.tanh(self.mix(previous)) * same_document
+
+
+def previous_rank_last_token(h: torch.Tensor) -> torch.Tensor:
+    """Return the last token of the previous CP rank's contiguous shard (zeros on the first rank), differentiably."""
+    step = active_step()
+    if step is None or step.cp_size == 1:
+        return torch.zeros_like(h[:, :1])
+    rank, size = comm.group_rank(step.cp_group), step.cp_size
+    rows = h.shape[0]
+    send = [rows if peer == rank + 1 else 0 for peer in range(size)]
+    receive = [rows if peer == rank - 1 else 0 for peer in range(size)]
+    received = comm.all_to_all_v(h[:, -1].contiguous(), receive, send, step.cp_group)
+    return received.unsqueeze(1) if rank > 0 else torch.zeros_like(h[:, :1])
+
+
+class TinyTransformer(pl.LightningModule):
+    """Embedding, blocks named by ``kinds`` (``"attention"`` or ``"recurrent"``), a head; SGD on ``cp_cross_entropy``."""
+
+    def __init__(self, kinds: Sequence[str] = ("attention", "attention"), checkpoint_blocks: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        block_types = {"attention": AttentionBlock, "recurrent": RecurrentBlock}
+        self.blocks = nn.ModuleList(block_types[kind](self) for kind in kinds)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+        self.double()
+        self.checkpoint_blocks = checkpoint_blocks
+        self.attention_fn: AttentionFn = cp_attention
+        self.train_losses: list[float] = []
+        self.val_losses: list[float] = []
+        self.seen_layouts: list[tuple[str, str]] = []
+        self.conversion_counts: list[int] = []
+
+    def record_layout(self, block: nn.Module) -> None:
+        """Remember the layout ``block`` runs in under the active step."""
+        step = active_step()
+        if step is not None:
+            self.seen_layouts.append((type(block).__name__, step.current_layout.value))
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Return logits ``[B, S, VOCAB]``."""
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            if self.checkpoint_blocks and torch.is_grad_enabled():
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False, position_ids=position_ids)
+            else:
+                h = block(h, position_ids=position_ids)
+        return self.head(h)
+
+    def _loss(self, batch: dict[str, Any]) -> Any:
+        logits = self(batch["input_ids"], batch["position_ids"])
+        return cp_cross_entropy(logits, batch["labels"], batch["loss_token_count"])
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        """Return the CP-scaled loss and record the replica mean."""
+        result = self._loss(batch)
+        self.train_losses.append(result.mean.item())
+        return result.loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Record the residual-stream conversions of the step's forward."""
+        step = active_step()
+        self.conversion_counts.append(step.layer_conversion_count if step is not None else -1)
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """Record the replica mean loss."""
+        self.val_losses.append(self._loss(batch).mean.item())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """Plain SGD, so the reference is a few lines."""
+        return torch.optim.SGD(self.parameters(), lr=LEARNING_RATE)
+
+
+def dense_batches(count: int, batch_size: int = 2, seq_len: int = 22) -> list[dict[str, torch.Tensor]]:
+    """Random dense batches; ``seq_len`` 22 needs padding at cp 2 and 4."""
+    generator = torch.Generator().manual_seed(1)
+    return [{"input_ids": torch.randint(0, VOCAB, (batch_size, seq_len), generator=generator)} for _ in range(count)]
+
+
+def packed_batches(count: int) -> list[dict[str, torch.Tensor]]:
+    """Random packed batches of documents of lengths 1 to 13 (some below 2 x cp), some labels masked."""
+    generator = torch.Generator().manual_seed(2)
+    batches = []
+    for index in range(count):
+        lengths = torch.randint(1, 14, (5,), generator=generator).tolist()
+        cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        input_ids = torch.randint(0, VOCAB, (1, sum(lengths)), generator=generator)
+        batch = {"input_ids": input_ids, "cu_seqlens": cu_seqlens}
+        if index % 2:
+            labels = input_ids.clone()
+            labels[0, torch.randint(0, sum(lengths), (3,), generator=generator)] = -100
+            batch["labels"] = labels
+        batches.append(batch)
+    return batches
+
+
+def reference_targets(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return shifted labels, positions and document ids of a raw batch, token by token."""
+    input_ids = batch["input_ids"]
+    labels = batch.get("labels", input_ids)
+    rows, length = input_ids.shape
+    cu_seqlens = batch.get("cu_seqlens", torch.tensor([0, length])).tolist()
+    targets = torch.full((rows, length), -100, dtype=torch.long)
+    positions = torch.zeros((rows, length), dtype=torch.long)
+    documents = torch.zeros((rows, length), dtype=torch.long)
+    for document, (start, end) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)):
+        for token in range(start, end):
+            positions[:, token] = token - start
+            documents[:, token] = document
+            if token + 1 < end:
+                targets[:, token] = labels[:, token + 1]
+    return targets, positions, documents
+
+
+def reference_attention(documents: torch.Tensor) -> AttentionFn:
+    """Return explicit-softmax causal attention masked to each token's document."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+        length = q.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        visible = causal & (documents[:, None, :, None] == documents[:, None, None, :])
+        return torch.einsum("bhqk,bkhd->bqhd", scores.masked_fill(~visible, -math.inf).softmax(-1), v)
+
+    return attend
+
+
+def reference_run(
+    kinds: Sequence[str], batches: Sequence[dict[str, torch.Tensor]], steps: int, replicas: int
+) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """Train in one process: step ``s`` averages the mean losses of batches ``s * replicas + r``.
+
+    Returns each step's per-replica mean losses and the final weights.
+    """
+    model = TinyTransformer(kinds)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    losses = []
+    for step in range(steps):
+        replica_losses = []
+        for replica in range(replicas):
+            batch = batches[step * replicas + replica]
+            targets, positions, documents = reference_targets(batch)
+            model.attention_fn = reference_attention(documents)
+            logits = model(batch["input_ids"], positions)
+            replica_losses.append(F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-100))
+        optimizer.zero_grad()
+        (sum(replica_losses) / replicas).backward()
+        optimizer.step()
+        losses.append([loss.item() for loss in replica_losses])
+    return losses, {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
