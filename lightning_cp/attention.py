@@ -10,6 +10,7 @@ current block's compute, merges partial results by log-sum-exp, and passes dK/dV
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -55,11 +56,16 @@ class RankTokens:
 
 @dataclass(frozen=True)
 class Block:
-    """Local query rows x source key rows (half-major order) that attend; ``mask`` ``None`` means every pair does."""
+    """Local query rows x source key rows (half-major order) that attend.
+
+    Every pair attends unless ``mask`` (boolean ``[rows, cols]``) says otherwise or ``causal`` makes the square block
+    lower-triangular.
+    """
 
     rows: slice
     cols: slice
-    mask: Tensor | None
+    mask: Tensor | None = None
+    causal: bool = False
 
 
 @dataclass(frozen=True)
@@ -149,7 +155,7 @@ def _work_lengths(seq_len: int | None, cu_seqlens: Sequence[int] | Tensor | None
 def _pair_count(tokens: RankTokens, lengths: Tensor, causal: bool) -> int:
     """Sum, over the valid queries of one rank, the number of keys each one sees."""
     valid = tokens.doc >= 0
-    seen = tokens.pos[valid] + 1 if causal else lengths[tokens.doc[valid]]
+    seen = tokens.pos.masked_select(valid) + 1 if causal else lengths[tokens.doc.masked_select(valid)]
     return int(seen.sum())
 
 
@@ -175,14 +181,23 @@ def zigzag_attention(
     kernel_name = _choose_kernel(backend, mode, q)
     _log_choice_once(kernel_name, mode, q)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    tokens = [zigzag_tokens(lengths, padded, cp, src) for src in range(cp)]
+    tokens, plan = _zigzag_plan(tuple(lengths), tuple(padded), cp, rank, causal, q.device)
     packed = packed_seq_params is not None
     if kernel_name == "flash_attn":
         return _flash_attention(q, k, v, cp_group, tokens, rank, packed, causal, scale)
     kernel = _KERNELS[kernel_name]
     return context_parallel_attention(
-        q, k, v, cp_group, tokens, rank, packed=packed, causal=causal, scale=scale, mode=mode, kernel=kernel
+        q, k, v, cp_group, plan, tokens[rank].perm, packed=packed, scale=scale, mode=mode, kernel=kernel
     )
+
+
+@functools.lru_cache(maxsize=16)
+def _zigzag_plan(
+    lengths: tuple[int, ...], padded: tuple[int, ...], cp: int, rank: int, causal: bool, device: torch.device
+) -> tuple[tuple[RankTokens, ...], BlockPlan]:
+    """Token metadata and block plan of one batch layout, built once and reused by every layer and the backward."""
+    tokens = tuple(zigzag_tokens(lengths, padded, cp, src) for src in range(cp))
+    return tokens, build_block_plan(tokens, rank, causal, device)
 
 
 def context_parallel_attention(
@@ -190,18 +205,16 @@ def context_parallel_attention(
     k: Tensor,
     v: Tensor,
     cp_group: ProcessGroup | None,
-    tokens: Sequence[RankTokens],
-    rank: int,
+    plan: BlockPlan,
+    perm: Tensor | None,
     *,
     packed: bool,
-    causal: bool,
     scale: float,
     mode: str,
     kernel: BlockKernel,
 ) -> Tensor:
-    """Run CP attention for any sharding described by ``tokens`` (one entry per rank); inputs are not validated."""
-    perm = None if tokens[rank].perm is None else tokens[rank].perm.to(q.device)
-    plan = build_block_plan(tokens, rank, causal, q.device)
+    """Run CP attention for any sharding, given its block plan and local-to-half-major ``perm``; no validation."""
+    perm = None if perm is None else perm.to(q.device)
     qi, ki, vi = (_to_internal(x, packed, perm) for x in (q, k, v))
     if mode == "ring":
         out = _RingAttention.apply(qi, ki, vi, plan, kernel, scale, cp_group)
@@ -215,58 +228,107 @@ def context_parallel_attention(
 def build_block_plan(tokens: Sequence[RankTokens], rank: int, causal: bool, device: torch.device) -> BlockPlan:
     """Find, per source rank and (query half, key half), the document-group sub-blocks with a visible pair."""
     half = tokens[rank].doc.shape[0] // 2
+    documents = max((int(t.doc.max()) for t in tokens if t.doc.numel()), default=-1) + 1
     blocks = []
     for source in tokens:
         source_blocks: list[Block] = []
         for q_half, query in enumerate(_halves(tokens[rank])):
             for k_half, key in enumerate(_halves(source)):
-                source_blocks += _document_blocks(query, key, causal, (q_half * half, k_half * half), device)
+                for block in _document_blocks(query, key, causal, documents):
+                    source_blocks.append(_placed(block, q_half * half, k_half * half, device))
         blocks.append(tuple(source_blocks))
     return BlockPlan(len(tokens), rank, tuple(blocks))
 
 
+@dataclass(frozen=True)
+class _Spans:
+    """Per document of one half: first row, last row + 1, and number of tokens."""
+
+    start: list[int]
+    stop: list[int]
+    count: list[int]
+
+
+def _spans(doc: Tensor, documents: int) -> _Spans:
+    """Locate every document's tokens in one half."""
+    valid = doc >= 0
+    ids, index = doc.masked_select(valid), torch.nonzero(valid).squeeze(1)
+    start = torch.full((documents,), doc.shape[0], dtype=torch.int64).scatter_reduce(0, ids, index, "amin")
+    stop = torch.zeros(documents, dtype=torch.int64).scatter_reduce(0, ids, index + 1, "amax")
+    return _Spans(start.tolist(), stop.tolist(), torch.bincount(ids, minlength=documents).tolist())
+
+
 def _document_blocks(
-    query: tuple[Tensor, Tensor],
-    key: tuple[Tensor, Tensor],
-    causal: bool,
-    offsets: tuple[int, int],
-    device: torch.device,
+    query: tuple[Tensor, Tensor], key: tuple[Tensor, Tensor], causal: bool, documents: int
 ) -> list[Block]:
-    """Cut one half-by-half block into bounding boxes of consecutive document groups (>= 128 rows) with a pair."""
-    (q_doc, q_pos), (k_doc, k_pos) = query, key
+    """Cut one half-by-half block into bounding boxes of document groups, dropping those without a visible pair."""
+    q_spans, k_spans = _spans(query[0], documents), _spans(key[0], documents)
     blocks = []
-    for first, last in _document_groups(q_doc, k_doc):
-        rows, cols = _span(q_doc, first, last), _span(k_doc, first, last)
-        group_doc = q_doc[rows]
-        mask = _visible(group_doc, q_pos[rows], k_doc[cols], k_pos[cols], causal)
-        mask &= ((group_doc >= first) & (group_doc <= last)).unsqueeze(1)
-        if bool(mask.any()):
-            rows = slice(rows.start + offsets[0], rows.stop + offsets[0])
-            cols = slice(cols.start + offsets[1], cols.stop + offsets[1])
-            blocks.append(Block(rows, cols, None if bool(mask.all()) else mask.to(device)))
+    for group in _document_groups(q_spans, k_spans):
+        rows = slice(min(q_spans.start[d] for d in group), max(q_spans.stop[d] for d in group))
+        cols = slice(min(k_spans.start[d] for d in group), max(k_spans.stop[d] for d in group))
+        whole = rows.stop - rows.start == q_spans.count[group[0]] and cols.stop - cols.start == k_spans.count[group[0]]
+        if len(group) == 1 and whole:
+            block = _single_document_block(rows, cols, query[1][rows], key[1][cols], causal)
+        else:
+            block = _masked_block(rows, cols, query, key, causal, group)
+        if block is not None:
+            blocks.append(block)
     return blocks
 
 
-def _document_groups(q_doc: Tensor, k_doc: Tensor) -> list[tuple[int, int]]:
-    """Group the documents present on both sides into consecutive runs of at least ``_MIN_GROUP_ROWS`` query rows."""
-    shared = sorted(set(q_doc[q_doc >= 0].tolist()) & set(k_doc[k_doc >= 0].tolist()))
-    rows_per_doc = torch.bincount(q_doc[q_doc >= 0], minlength=shared[-1] + 1).tolist() if shared else []
-    groups, first, rows = [], None, 0
-    for doc in shared:
-        first = doc if first is None else first
-        rows += rows_per_doc[doc]
-        if rows >= _MIN_GROUP_ROWS:
-            groups.append((first, doc))
-            first, rows = None, 0
-    if first is not None:
-        groups.append((first, shared[-1]))
-    return groups
+def _document_groups(q_spans: _Spans, k_spans: _Spans) -> list[list[int]]:
+    """Documents on both sides, in order: large ones alone, runs of adjacent small ones up to ``_MIN_GROUP_ROWS`` rows.
+
+    A run never spans a document it leaves out, so its bounding box stays small.
+    """
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for doc, (q_count, k_count) in enumerate(zip(q_spans.count, k_spans.count, strict=True)):
+        small = 0 < q_count < _MIN_GROUP_ROWS and 0 < k_count < _MIN_GROUP_ROWS
+        if small:
+            current.append(doc)
+        if current and (not small or sum(q_spans.count[d] for d in current) >= _MIN_GROUP_ROWS):
+            groups.append(current)
+            current = []
+        if not small and q_count and k_count:
+            groups.append([doc])
+    return groups + [current] if current else groups
 
 
-def _span(doc: Tensor, first: int, last: int) -> slice:
-    """Smallest slice holding every token of documents ``first..last``."""
-    inside = torch.nonzero((doc >= first) & (doc <= last)).squeeze(1)
-    return slice(int(inside[0]), int(inside[-1]) + 1)
+def _single_document_block(rows: slice, cols: slice, q_pos: Tensor, k_pos: Tensor, causal: bool) -> Block | None:
+    """Classify one document's rows x cols by position alone: full, empty, the causal diagonal, or masked."""
+    if not causal or int(q_pos.min()) >= int(k_pos.max()):
+        return Block(rows, cols)
+    if int(q_pos.max()) < int(k_pos.min()):
+        return None
+    if torch.equal(q_pos, k_pos) and bool((q_pos[1:] > q_pos[:-1]).all()):
+        return Block(rows, cols, causal=True)
+    return Block(rows, cols, k_pos.unsqueeze(0) <= q_pos.unsqueeze(1))
+
+
+def _masked_block(
+    rows: slice,
+    cols: slice,
+    query: tuple[Tensor, Tensor],
+    key: tuple[Tensor, Tensor],
+    causal: bool,
+    group: list[int],
+) -> Block | None:
+    """Build the explicit mask of a document group's bounding box, restricted to the group's documents."""
+    q_doc = query[0][rows]
+    mask = _visible(q_doc, query[1][rows], key[0][cols], key[1][cols], causal)
+    mask &= torch.isin(q_doc, torch.tensor(group)).unsqueeze(1)
+    if not bool(mask.any()):
+        return None
+    return Block(rows, cols, None if bool(mask.all()) else mask)
+
+
+def _placed(block: Block, row_offset: int, col_offset: int, device: torch.device) -> Block:
+    """Shift a half-relative block to half-major rows and columns and move its mask to ``device``."""
+    rows = slice(block.rows.start + row_offset, block.rows.stop + row_offset)
+    cols = slice(block.cols.start + col_offset, block.cols.stop + col_offset)
+    return Block(rows, cols, None if block.mask is None else block.mask.to(device), block.causal)
 
 
 def _halves(tokens: RankTokens) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
@@ -325,7 +387,8 @@ def _forward_source(
     out, lse = acc
     for block in blocks:
         rows, cols = block.rows, block.cols
-        block_out, block_lse = kernel.forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], block.mask, scale)
+        queries, keys, values = q[:, :, rows], k[:, :, cols], v[:, :, cols]
+        block_out, block_lse = kernel.forward(queries, keys, values, block.mask, block.causal, scale)
         out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
 
 
@@ -345,7 +408,7 @@ def _backward_source(
         rows, cols = block.rows, block.cols
         gq, gk, gv = kernel.backward(
             dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows], lse[:, :, rows],
-            block.mask, scale,
+            block.mask, block.causal, scale,
         )  # fmt: skip
         dq[:, :, rows] += gq
         dkv[0, :, :, cols] += gk
@@ -465,8 +528,9 @@ def _varlen_pieces(
     pieces = []
     for half, (doc, pos) in enumerate(_halves(tokens[rank])):
         rows = torch.nonzero(doc >= 0).squeeze(1) + half * (local // 2)
-        q_count = torch.bincount(doc[doc >= 0], minlength=lengths.shape[0])
-        last = torch.zeros_like(lengths).scatter_reduce(0, doc[doc >= 0], pos[doc >= 0], "amax")
+        valid_doc, valid_pos = doc.masked_select(doc >= 0), pos.masked_select(doc >= 0)
+        q_count = torch.bincount(valid_doc, minlength=lengths.shape[0])
+        last = torch.zeros_like(lengths).scatter_reduce(0, valid_doc, valid_pos, "amax")
         docs = torch.nonzero(q_count > 0).squeeze(1)
         if docs.numel() == 0:
             continue

@@ -15,8 +15,6 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from lightning_cp.callback import DEFAULT_CONTIGUOUS_LAYERS, DEFAULT_ZIGZAG_LAYERS
 
-PACKAGED_CONFIGS = "lightning_cp.configs"
-
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key and what it accepts."""
@@ -234,20 +232,21 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.devices: got '{devices}'; expected a positive integer, a list of ids, -1 or auto")
 
 
+def packaged_configs() -> Path:
+    """Return the folder of the configs shipped inside the package."""
+    return Path(str(resources.files("lightning_cp"))) / "configs"
+
+
 def resolve_config_path(name: str) -> Path:
     """Return the YAML file ``name``: a path, or the name of a packaged config (``cp4_cpu``, ``gpu``, ...)."""
     path = Path(name).expanduser()
     if path.is_file():
         return path
-    packaged = resources.files(PACKAGED_CONFIGS) / f"{name.removesuffix('.yaml')}.yaml"
+    packaged = packaged_configs() / f"{name.removesuffix('.yaml')}.yaml"
     if packaged.is_file():
-        return Path(str(packaged))
+        return packaged
     available = ", ".join(
-        sorted(
-            p.name.removesuffix(".yaml")
-            for p in resources.files(PACKAGED_CONFIGS).iterdir()
-            if p.name.endswith(".yaml")
-        )
+        sorted(p.name.removesuffix(".yaml") for p in packaged_configs().iterdir() if p.name.endswith(".yaml"))
     )
     raise ConfigError(f"--config {name}: no such file and no packaged config of that name (packaged: {available})")
 

@@ -254,6 +254,7 @@ def _move_tokens(
     input_: torch.Tensor,
     seq_dim: int,
     send_indices: torch.Tensor | None,
+    send_padding_rows: torch.Tensor | None,
     input_split_sizes: tuple[int, ...],
     output_split_sizes: tuple[int, ...],
     group: ProcessGroup,
@@ -262,8 +263,9 @@ def _move_tokens(
 ) -> torch.Tensor:
     """Gather the tokens to send, all-to-all-v them, and gather the output from what arrived.
 
-    ``send_indices`` None sends the input as it is; ``receive_indices`` None keeps the arrivals as they are, and an
-    index equal to the number of arrivals reads a zero row (padding).
+    ``send_indices`` None sends the input as it is; rows listed in ``send_padding_rows`` are sent as zeros.
+    ``receive_indices`` None keeps the arrivals as they are, and an index equal to the number of arrivals reads a
+    zero row (padding).
     """
     rows = _as_rows(input_, seq_dim)
     before, _, after = rows.shape
@@ -274,7 +276,9 @@ def _move_tokens(
         send = tokens.contiguous()
     else:
         send = _staging.get("send", (send_indices.numel(), *token_shape), dtype, device)
-        torch.index_select(tokens, 0, send_indices, out=send)
+        torch.index_select(tokens, 0, send_indices.clamp(min=0), out=send)
+        if send_padding_rows is not None and send_padding_rows.numel() > 0:
+            send.index_fill_(0, send_padding_rows, 0)
     received_count = sum(output_split_sizes)
     output_shape = _resized(input_.shape, seq_dim, output_length)
     if receive_indices is None and before == 1:
@@ -311,12 +315,20 @@ def _zigzag_gather_indices(plan: THDCPLayoutPlan) -> torch.Tensor | None:
     return indices
 
 
+def _forward_send_padding_rows(plan: THDCPLayoutPlan) -> torch.Tensor:
+    """Rows of the forward send buffer that carry padding (taken from the plan when it lists them)."""
+    if plan.forward_send_padding_rows is not None:
+        return plan.forward_send_padding_rows
+    return torch.nonzero(plan.forward_send_indices < 0).flatten()
+
+
 def _thd_to_zigzag(input_: torch.Tensor, plan: THDCPLayoutPlan, group: ProcessGroup, seq_dim: int) -> torch.Tensor:
     """Move contiguous packed tokens to their zigzag positions, padding slots zero."""
     return _move_tokens(
         input_,
         seq_dim,
         None if plan.forward_send_is_identity else plan.forward_send_indices,
+        _forward_send_padding_rows(plan),
         plan.forward_input_split_sizes,
         plan.forward_output_split_sizes,
         group,
@@ -331,6 +343,7 @@ def _thd_to_contiguous(input_: torch.Tensor, plan: THDCPLayoutPlan, group: Proce
         input_,
         seq_dim,
         None if plan.forward_receive_is_identity else plan.reverse_send_indices,
+        None,
         plan.forward_output_split_sizes,
         plan.forward_input_split_sizes,
         group,

@@ -49,7 +49,8 @@ class THDCPLayoutPlan:
 
     Forward fields describe contiguous-to-zigzag conversion. Reverse fields describe the inverse conversion.
     The plan is built once per packed batch and reused around every attention layer. The two trailing flags
-    mark index steps that are the identity, so conversion can skip their copies.
+    mark index steps that are the identity, so conversion can skip their copies; ``forward_send_padding_rows`` lists
+    the forward send rows that carry zero padding (``forward_send_indices`` -1).
     """
 
     contiguous_local_token_count: int
@@ -65,6 +66,7 @@ class THDCPLayoutPlan:
     reverse_receive_indices: torch.Tensor
     forward_send_is_identity: bool = False
     forward_receive_is_identity: bool = False
+    forward_send_padding_rows: torch.Tensor | None = None
 
     @property
     def group_size(self) -> int:
@@ -90,6 +92,9 @@ class THDCPLayoutPlan:
             reverse_receive_indices=self.reverse_receive_indices.to(device, non_blocking=True),
             forward_send_is_identity=self.forward_send_is_identity,
             forward_receive_is_identity=self.forward_receive_is_identity,
+            forward_send_padding_rows=None
+            if self.forward_send_padding_rows is None
+            else self.forward_send_padding_rows.to(device, non_blocking=True),
         )
 
 
@@ -321,29 +326,55 @@ def _build_thd_rank_order_indices(
     padded_offsets = torch.zeros_like(offsets)
     torch.cumsum(padded_lengths, 0, out=padded_offsets[1:])
     padded_total = int(padded_offsets[-1])
-    sequence_count = lengths.numel()
-    sequence = torch.repeat_interleave(torch.arange(sequence_count, device=offsets.device), padded_lengths)
-    position = torch.arange(padded_total, device=offsets.device)
-    starts = padded_offsets[:-1]
-    offset_in_sequence = position - starts[sequence]
-    chunk_length = (padded_lengths // two_cp)[sequence]
-    chunk = offset_in_sequence // chunk_length
-    is_back = chunk >= cp_size
-    cp_rank = torch.where(is_back, two_cp - 1 - chunk, chunk)
-    destination = (
-        cp_rank * (padded_total // cp_size)
-        + (starts // cp_size)[sequence]
-        + (offset_in_sequence - chunk * chunk_length)
-        + is_back * chunk_length
-    )
-    source = torch.where(
-        offset_in_sequence < physical_lengths[sequence],
-        position + (physical_offsets[:-1] - starts)[sequence],
-        -1,
-    )
-    rank_order_indices = torch.empty_like(source)
-    rank_order_indices[destination] = source
+    device = offsets.device
+    # One run per (CP rank, sequence, front/back chunk), in rank order; each run is a range of source positions
+    # whose tail past the sequence's physical length is padding.
+    chunk_length = (padded_lengths // two_cp).view(1, -1, 1)
+    chunk_index = torch.stack([torch.arange(cp_size), two_cp - 1 - torch.arange(cp_size)], dim=1).to(device)
+    chunk_offset = chunk_index.view(cp_size, 1, 2) * chunk_length
+    run_length = chunk_length.expand(cp_size, -1, 2).reshape(-1)
+    run_source = (physical_offsets[:-1].view(1, -1, 1) + chunk_offset).reshape(-1)
+    run_tokens = (physical_lengths.view(1, -1, 1) - chunk_offset).clamp(min=0).minimum(chunk_length).reshape(-1)
+    run_start = torch.cumsum(run_length, 0) - run_length
+    source_shift = torch.repeat_interleave(run_source - run_start, run_length, output_size=padded_total)
+    token_limit = torch.repeat_interleave(run_start + run_tokens, run_length, output_size=padded_total)
+    position = torch.arange(padded_total, device=device)
+    rank_order_indices = torch.where(position < token_limit, position + source_shift, -1)
     return rank_order_indices, padded_offsets.to(torch.int32)
+
+
+def _padding_aware_senders(
+    indices: torch.Tensor, is_token: torch.Tensor, contiguous_count: int, zigzag_count: int
+) -> torch.Tensor:
+    """Logical rank that sends each zigzag slot: a token's owner; for padding, the sender of the nearest token
+    before it in the same receiver's slots (after it when there is none; the receiver itself when it has none)."""
+    sender = torch.div(indices, contiguous_count, rounding_mode="floor")
+    padding_slots = torch.nonzero(~is_token).flatten()
+    if padding_slots.numel() == 0:
+        return sender
+    token_slots = torch.nonzero(is_token).flatten()
+    receiver = padding_slots // zigzag_count
+    if token_slots.numel() == 0:
+        sender[padding_slots] = receiver
+        return sender
+    after = torch.searchsorted(token_slots, padding_slots)
+    previous = token_slots.index_select(0, (after - 1).clamp(min=0))
+    following = token_slots.index_select(0, after.clamp(max=token_slots.numel() - 1))
+    has_previous = (after > 0) & (previous // zigzag_count == receiver)
+    has_following = (after < token_slots.numel()) & (following // zigzag_count == receiver)
+    sender[padding_slots] = torch.where(
+        has_previous,
+        sender.index_select(0, previous),
+        torch.where(has_following, sender.index_select(0, following), receiver),
+    )
+    return sender
+
+
+def _stable_order_by(keys: torch.Tensor) -> torch.Tensor:
+    """Indices that sort ``keys`` stably, skipping the sort when they are already in order."""
+    if keys.numel() < 2 or bool((keys[1:] >= keys[:-1]).all()):
+        return torch.arange(keys.numel(), device=keys.device)
+    return torch.argsort(keys, stable=True)
 
 
 def _build_thd_cp_layout_plan_from_rank_order_indices(
@@ -360,8 +391,9 @@ def _build_thd_cp_layout_plan_from_rank_order_indices(
     """Build a packed layout plan from source indices grouped by target logical rank.
 
     rank_order_indices contains one entry for every padded attention position. Non-negative entries identify
-    positions in the contiguous input; -1 entries are temporary padding. Within every message tokens travel in
-    the receiver's order, so the sender gathers once and the receiver places once.
+    positions in the contiguous input; -1 entries are temporary padding. Padding slots travel as zero rows
+    (``forward_send_indices`` -1) from the sender of the token before them, so every receiver's slots arrive as
+    runs in slot order: the contiguous side gathers once per conversion and the zigzag side needs no index work.
     """
     _check_coordinates(cp_size, cp_rank, tp_size, tp_rank)
     group_size = cp_size * tp_size
@@ -379,29 +411,29 @@ def _build_thd_cp_layout_plan_from_rank_order_indices(
     contiguous_count = source_token_count // group_size
     logical_rank = cp_rank * tp_size + tp_rank
     indices = rank_order_indices.to(torch.int64)
+    is_token = indices >= 0
+    sender = _padding_aware_senders(indices, is_token, contiguous_count, zigzag_count)
 
-    zigzag_slice = indices[logical_rank * zigzag_count : (logical_rank + 1) * zigzag_count]
-    received_positions = torch.nonzero(zigzag_slice >= 0).flatten()
-    origin = group_rank_table[zigzag_slice[received_positions] // contiguous_count]
-    receive_order = torch.argsort(origin, stable=True)
-    forward_receive_positions = received_positions[receive_order]
+    my_slots = slice(logical_rank * zigzag_count, (logical_rank + 1) * zigzag_count)
+    origin = group_rank_table[sender[my_slots]]
+    forward_receive_positions = _stable_order_by(origin)
     output_split_sizes = torch.bincount(origin, minlength=group_size)
 
+    sent_slots = torch.nonzero(sender == logical_rank).flatten()
+    destination = group_rank_table[sent_slots // zigzag_count]
+    sent_slots = sent_slots[_stable_order_by(destination)]
     first_source = logical_rank * contiguous_count
-    is_mine = (indices >= first_source) & (indices < first_source + contiguous_count)
-    sent_positions = torch.nonzero(is_mine).flatten()
-    if sent_positions.numel() != contiguous_count:
+    sends_token = is_token[sent_slots]
+    forward_send_indices = torch.where(sends_token, indices[sent_slots] - first_source, -1)
+    token_rows = torch.nonzero(sends_token).flatten()
+    if token_rows.numel() != contiguous_count:
         raise ValueError(
-            f"rank_order_indices place {sent_positions.numel()} of logical rank {logical_rank}'s "
+            f"rank_order_indices place {token_rows.numel()} of logical rank {logical_rank}'s "
             f"{contiguous_count} tokens, expected each exactly once"
         )
-    destination = group_rank_table[sent_positions // zigzag_count]
-    send_order = torch.argsort(destination, stable=True)
-    forward_send_indices = indices[sent_positions[send_order]] - first_source
     input_split_sizes = torch.bincount(destination, minlength=group_size)
-
-    reverse_receive_indices = torch.empty_like(forward_send_indices)
-    reverse_receive_indices[forward_send_indices] = torch.arange(contiguous_count, device=device)
+    reverse_receive_indices = torch.empty(contiguous_count, dtype=torch.int64, device=device)
+    reverse_receive_indices[forward_send_indices[token_rows]] = token_rows
     lengths = cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]
     return THDCPLayoutPlan(
         contiguous_local_token_count=contiguous_count,
@@ -415,8 +447,10 @@ def _build_thd_cp_layout_plan_from_rank_order_indices(
         forward_output_split_sizes=tuple(output_split_sizes.tolist()),
         reverse_send_indices=forward_receive_positions,
         reverse_receive_indices=reverse_receive_indices,
-        forward_send_is_identity=bool(torch.equal(forward_send_indices, torch.arange(contiguous_count, device=device))),
+        forward_send_is_identity=forward_send_indices.numel() == contiguous_count
+        and bool(torch.equal(forward_send_indices, torch.arange(contiguous_count, device=device))),
         forward_receive_is_identity=bool(
             torch.equal(forward_receive_positions, torch.arange(zigzag_count, device=device))
         ),
+        forward_send_padding_rows=torch.nonzero(~sends_token).flatten(),
     )

@@ -230,3 +230,55 @@ def test_backend_choice_is_logged_once(caplog):
             zigzag_attention(q, q, q, None, mode="ring")
     messages = [record.getMessage() for record in caplog.records if record.name == "lightning_cp.attention"]
     assert messages == ["zigzag_attention: backend cpu_flash, mode ring, device cpu"]
+
+
+@pytest.mark.parametrize(("cp", "group_rows"), [(2, 1), (3, 5)])
+def test_blocks_cut_into_document_groups_give_the_same_results(cp, group_rows, monkeypatch):
+    lengths = case_lengths(Case(True, True, "ring", "math", (2, 2)), cp, seed=0)
+    tokens = [attention.zigzag_tokens(lengths, attention.padded_lengths(lengths, cp), cp, src) for src in range(cp)]
+    whole = attention.build_block_plan(tokens, 0, False, torch.device("cpu"))
+    monkeypatch.setattr(attention, "_MIN_GROUP_ROWS", group_rows)
+    split = attention.build_block_plan(tokens, 0, False, torch.device("cpu"))
+    assert sum(map(len, split.blocks)) > sum(map(len, whole.blocks))
+    outcomes = run_on_ranks(_check_all_cases, cp, all_cases(), timeout=240)
+    failures = [failure for rank_failures in outcomes for failure in rank_failures]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_contiguous_sharding_through_the_same_blocks_matches_reference(backend):
+    cp, lengths = 3, [5, 1, 40, 2, 17]
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(sum(lengths), 1, h, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    expected = reference_attention(q, k, v, doc, causal=True)
+    tokens = [attention.contiguous_tokens(lengths, cp, rank) for rank in range(cp)]
+    per_rank = tokens[0].doc.shape[0]
+    kv_all = torch.stack([torch.stack([_contiguous_internal(x, rank, per_rank) for x in (k, v)]) for rank in range(cp)])
+    outs = []
+    for rank in range(cp):
+        plan = attention.build_block_plan(tokens, rank, True, torch.device("cpu"))
+        q_local = _contiguous_internal(q, rank, per_rank)
+        outs.append(attention._GatheredAttention.apply(q_local, kv_all, plan, attention._KERNELS[backend], 8**-0.5))
+    got = torch.cat(outs, dim=2)[0].permute(1, 0, 2)[: sum(lengths)]
+    assert (got - expected[:, 0]).abs().max() < 1e-10
+    dout = torch.randn_like(got)
+    grads = torch.autograd.grad(got, (q, k, v), dout)
+    expected_grads = torch.autograd.grad(expected[:, 0], (q, k, v), dout)
+    assert max((a - b).abs().max().item() for a, b in zip(grads, expected_grads, strict=True)) < 1e-10
+
+
+def _contiguous_internal(x: torch.Tensor, rank: int, per_rank: int) -> torch.Tensor:
+    """Rank ``rank``'s slice of the flat ``[N, 1, H, D]`` stream (zero-padded at the end) as ``[1, H, T, D]``."""
+    padded = torch.cat([x[:, 0], x.new_zeros(max(0, (rank + 1) * per_rank - x.shape[0]), *x.shape[2:])])
+    return padded[rank * per_rank : (rank + 1) * per_rank].permute(1, 0, 2).unsqueeze(0)
+
+
+def test_single_document_block_masks_interleaved_positions():
+    rows, cols = slice(0, 3), slice(0, 3)
+    block = attention._single_document_block(rows, cols, torch.tensor([2, 3, 4]), torch.tensor([3, 4, 5]), True)
+    assert block.mask.tolist() == [[False, False, False], [True, False, False], [True, True, False]]
+    assert attention._single_document_block(rows, cols, torch.tensor([0, 1]), torch.tensor([2, 3]), True) is None
+    diagonal = attention._single_document_block(rows, cols, torch.tensor([4, 5, 6]), torch.tensor([4, 5, 6]), True)
+    assert diagonal.causal and diagonal.mask is None
+    assert attention._single_document_block(rows, cols, torch.tensor([0]), torch.tensor([5]), False).mask is None

@@ -86,8 +86,10 @@ def _work_matches_actual_run() -> list[int]:
 
 def _pairs(block: attention.Block) -> int:
     """Visible pairs of one block."""
-    full = (block.rows.stop - block.rows.start) * (block.cols.stop - block.cols.start)
-    return full if block.mask is None else int(block.mask.sum())
+    rows, cols = block.rows.stop - block.rows.start, block.cols.stop - block.cols.start
+    if block.causal:
+        return rows * (rows + 1) // 2
+    return rows * cols if block.mask is None else int(block.mask.sum())
 
 
 def test_work_per_rank_counts_the_pairs_the_plan_computes():
@@ -135,5 +137,6 @@ def test_dense_causal_plan_skips_empty_blocks():
         counts = [len(blocks) for blocks in plan.blocks]
         assert counts == [3 if src == rank else 2 for src in range(cp)]
         blocks = [(src, block) for src, source_blocks in enumerate(plan.blocks) for block in source_blocks]
-        partial = [(src, block.rows, block.cols) for src, block in blocks if block.mask is not None]
+        partial = [(src, block.rows, block.cols) for src, block in blocks if block.causal]
+        assert all(block.mask is None for _, block in blocks)
         assert partial == [(rank, slice(0, 4), slice(0, 4)), (rank, slice(4, 8), slice(4, 8))]

@@ -157,7 +157,8 @@ def test_thd_plans_round_trip_through_emulated_all_to_all(cp, tp):
             for g in range(ranks):
                 logical = logical_of_group[g]
                 local = stream[logical * shard : (logical + 1) * shard]
-                buffer = local[plans[g].forward_send_indices]
+                send_indices = plans[g].forward_send_indices
+                buffer = torch.where((send_indices >= 0).unsqueeze(1), local[send_indices.clamp(min=0)], 0.0)
                 sends.append(list(buffer.split(list(plans[g].forward_input_split_sizes))))
             received = _all_to_all(sends)
             zigzag = {}

@@ -13,6 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from lightning_cp import comm, cp_attention, cp_cross_entropy
@@ -73,16 +74,19 @@ class RecurrentBlock(nn.Module):
 
 
 def previous_rank_last_token(h: torch.Tensor) -> torch.Tensor:
-    """Return the last token of the previous CP rank's contiguous shard (zeros on the first rank), differentiably."""
+    """Return the last token of the previous CP rank's contiguous shard (zeros on the first rank), differentiably.
+
+    Every rank sends to the next around the ring, so every rank takes part in the backward all-to-all too.
+    """
     step = active_step()
     if step is None or step.cp_size == 1:
         return torch.zeros_like(h[:, :1])
     rank, size = comm.group_rank(step.cp_group), step.cp_size
     rows = h.shape[0]
-    send = [rows if peer == rank + 1 else 0 for peer in range(size)]
-    receive = [rows if peer == rank - 1 else 0 for peer in range(size)]
+    send = [rows if peer == (rank + 1) % size else 0 for peer in range(size)]
+    receive = [rows if peer == (rank - 1) % size else 0 for peer in range(size)]
     received = comm.all_to_all_v(h[:, -1].contiguous(), receive, send, step.cp_group)
-    return received.unsqueeze(1) if rank > 0 else torch.zeros_like(h[:, :1])
+    return received.unsqueeze(1) * float(rank > 0)
 
 
 class TinyTransformer(pl.LightningModule):
@@ -101,7 +105,7 @@ class TinyTransformer(pl.LightningModule):
         self.train_losses: list[float] = []
         self.val_losses: list[float] = []
         self.seen_layouts: list[tuple[str, str]] = []
-        self.conversion_counts: list[int] = []
+        self.batch_indices: list[int] = []
 
     def record_layout(self, block: nn.Module) -> None:
         """Remember the layout ``block`` runs in under the active step."""
@@ -127,12 +131,8 @@ class TinyTransformer(pl.LightningModule):
         """Return the CP-scaled loss and record the replica mean."""
         result = self._loss(batch)
         self.train_losses.append(result.mean.item())
+        self.batch_indices.append(int(batch["index"]))
         return result.loss
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """Record the residual-stream conversions of the step's forward."""
-        step = active_step()
-        self.conversion_counts.append(step.layer_conversion_count if step is not None else -1)
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Record the replica mean loss."""
@@ -146,7 +146,10 @@ class TinyTransformer(pl.LightningModule):
 def dense_batches(count: int, batch_size: int = 2, seq_len: int = 22) -> list[dict[str, torch.Tensor]]:
     """Random dense batches; ``seq_len`` 22 needs padding at cp 2 and 4."""
     generator = torch.Generator().manual_seed(1)
-    return [{"input_ids": torch.randint(0, VOCAB, (batch_size, seq_len), generator=generator)} for _ in range(count)]
+    return [
+        {"input_ids": torch.randint(0, VOCAB, (batch_size, seq_len), generator=generator), "index": torch.tensor(index)}
+        for index in range(count)
+    ]
 
 
 def packed_batches(count: int) -> list[dict[str, torch.Tensor]]:
@@ -157,7 +160,7 @@ def packed_batches(count: int) -> list[dict[str, torch.Tensor]]:
         lengths = torch.randint(1, 14, (5,), generator=generator).tolist()
         cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
         input_ids = torch.randint(0, VOCAB, (1, sum(lengths)), generator=generator)
-        batch = {"input_ids": input_ids, "cu_seqlens": cu_seqlens}
+        batch = {"input_ids": input_ids, "cu_seqlens": cu_seqlens, "index": torch.tensor(index)}
         if index % 2:
             labels = input_ids.clone()
             labels[0, torch.randint(0, sum(lengths), (3,), generator=generator)] = -100
@@ -198,25 +201,25 @@ def reference_attention(documents: torch.Tensor) -> AttentionFn:
 
 
 def reference_run(
-    kinds: Sequence[str], batches: Sequence[dict[str, torch.Tensor]], steps: int, replicas: int
+    kinds: Sequence[str], batches: Sequence[dict[str, torch.Tensor]], order: Sequence[Sequence[int]]
 ) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
-    """Train in one process: step ``s`` averages the mean losses of batches ``s * replicas + r``.
+    """Train in one process: step ``s`` averages the mean losses of batches ``order[s]`` (one per replica).
 
     Returns each step's per-replica mean losses and the final weights.
     """
     model = TinyTransformer(kinds)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     losses = []
-    for step in range(steps):
+    for step_indices in order:
         replica_losses = []
-        for replica in range(replicas):
-            batch = batches[step * replicas + replica]
+        for index in step_indices:
+            batch = batches[index]
             targets, positions, documents = reference_targets(batch)
             model.attention_fn = reference_attention(documents)
             logits = model(batch["input_ids"], positions)
             replica_losses.append(F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-100))
         optimizer.zero_grad()
-        (sum(replica_losses) / replicas).backward()
+        (sum(replica_losses) / len(replica_losses)).backward()
         optimizer.step()
         losses.append([loss.item() for loss in replica_losses])
     return losses, {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}

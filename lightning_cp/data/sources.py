@@ -13,10 +13,10 @@ JSONL_SUFFIXES = (".jsonl",)
 
 
 def embedded_documents() -> list[str]:
-    """Return the topics of Python's own documentation (``pydoc_data.topics``), sorted by topic name."""
+    """Return the distinct topics of Python's own documentation (``pydoc_data.topics``), sorted by topic name."""
     from pydoc_data.topics import topics
 
-    return [topics[name] for name in sorted(topics)]
+    return list(dict.fromkeys(topics[name] for name in sorted(topics)))
 
 
 def read_jsonl(path: Path) -> list[str]:

@@ -93,7 +93,7 @@ class LlamaLM(pl.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         """Log after how many optimizer steps this validation ran (the x of the validation curve)."""
-        self.log("trained_steps", float(self.trainer.global_step))
+        self.log("trained_steps", float(self.trainer.global_step), sync_dist=True)
 
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW (no decay on norms) with linear warm-up and cosine decay over the run's steps."""

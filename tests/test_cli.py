@@ -1,0 +1,177 @@
+"""The ``lightning-cp`` console script end to end, in subprocesses (Lightning's launcher re-runs the command line)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_cp.runfolder import loss_series, read_metrics
+
+SCRIPT = str(Path(sys.executable).parent / "lightning-cp")
+SHORT = [
+    "trainer.max_steps=24",
+    "trainer.val_check_interval=8",
+    "trainer.limit_val_batches=8",
+    "checkpoint.every_n_steps=6",
+    "data.tokens_per_sample=512",
+    "model.hidden_size=64",
+    "model.num_layers=2",
+    "model.intermediate_size=176",
+    "optim.warmup_steps=4",
+]
+TIMEOUT = 240
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def _run(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    return subprocess.run([SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=_env(), check=False)
+
+
+def _losses(run_dir: Path) -> tuple[tuple[list[int], list[float]], tuple[list[int], list[float]]]:
+    rows = read_metrics(run_dir / "metrics.csv")
+    return loss_series(rows, "train_loss"), loss_series(rows, "val_loss", step_column="trained_steps")
+
+
+def _assert_same(a: list[float], b: list[float], rel: float) -> None:
+    assert len(a) == len(b) and a
+    for x, y in zip(a, b, strict=True):
+        assert abs(x - y) <= rel * abs(y), (x, y)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("runs")
+    result = _run("fit", *SHORT, f"run.root={root}", "run.name=full")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root / "full"
+
+
+def test_fit_writes_a_complete_run_folder_and_the_loss_falls(full_run: Path) -> None:
+    assert {"config.yaml", "metrics.csv", "loss.png"} <= {p.name for p in full_run.iterdir()}
+    assert (full_run / "checkpoints" / "last.ckpt").is_file()
+    assert (full_run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    config = (full_run / "config.yaml").read_text()
+    assert "max_steps: 24" in config and "name: full" in config
+    (steps, train), (val_steps, val) = _losses(full_run)
+    assert steps == list(range(24))
+    assert val_steps == [0, 8, 16, 24]
+    assert val[-1] < 0.75 * val[0] and sum(train[-4:]) < 0.75 * sum(train[:4])
+    assert torch.load(full_run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 24
+
+
+def test_validate_reports_the_checkpoint_loss(full_run: Path) -> None:
+    result = _run("validate", *SHORT, f"checkpoint.init_from={full_run}/checkpoints/last.ckpt")
+    assert result.returncode == 0, result.stderr[-3000:]
+    reported = float(result.stdout.strip().splitlines()[-1].rsplit(":", 1)[1])
+    _assert_same([reported], [_losses(full_run)[1][1][-1]], rel=1e-6)
+
+
+def test_fine_tuning_starts_from_the_checkpoint_weights(full_run: Path) -> None:
+    root = full_run.parent
+    ckpt = full_run / "checkpoints" / "last.ckpt"
+    overrides = ["trainer.max_steps=2", f"checkpoint.init_from={ckpt}", f"run.root={root}", "run.name=ft"]
+    result = _run("fit", *SHORT, *overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (steps, _), (val_steps, val) = _losses(root / "ft")
+    assert steps == [0, 1] and val_steps[0] == 0
+    _assert_same([val[0]], [_losses(full_run)[1][1][-1]], rel=1e-6)
+
+
+def test_hybrid_policy_config_runs_with_one_conversion_per_layout_change(tmp_path: Path) -> None:
+    overrides = ["model.num_layers=4", "trainer.max_steps=3", f"run.root={tmp_path}", "run.name=h"]
+    result = _run("fit", "--config", "hybrid", *SHORT, *overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(tmp_path / "h" / "metrics.csv")
+    assert {row["cp/layout_conversions"] for row in rows if row.get("cp/layout_conversions")} == {"4.0"}
+
+
+def test_own_module_example_trains() -> None:
+    example = Path(__file__).resolve().parents[1] / "examples" / "own_module.py"
+    result = subprocess.run(
+        [sys.executable, str(example), "--max-steps", "6"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=_env(),
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert float(result.stdout.strip().splitlines()[-1].split()[-1]) < 5.6
+
+
+def test_resume_after_a_kill_continues_with_the_same_steps_and_losses(full_run: Path) -> None:
+    root = full_run.parent
+    killed = root / "killed"
+    process = subprocess.Popen(
+        [SCRIPT, "fit", *SHORT, f"run.root={root}", "run.name=killed"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=_env(),
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        while time.monotonic() < deadline and process.poll() is None:
+            steps = _losses(killed)[0][0] if (killed / "metrics.csv").is_file() else []
+            if steps and steps[-1] >= 13:
+                break
+            time.sleep(0.05)
+        assert process.poll() is None, "the run ended before it could be killed"
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert torch.load(killed / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] in (12, 18)
+    result = _run("fit", *SHORT, f"run.root={root}", "run.name=killed", "checkpoint.resume_from=last")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (steps, train), (val_steps, val) = _losses(killed)
+    (full_steps, full_train), (full_val_steps, full_val) = _losses(full_run)
+    assert steps == full_steps and val_steps == full_val_steps
+    _assert_same(train, full_train, rel=1e-9)
+    _assert_same(val, full_val, rel=1e-9)
+
+
+def test_cp1_and_cp2_write_the_same_float64_losses(tmp_path: Path) -> None:
+    parity = [*SHORT[2:], "trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.precision=64-true"]
+    for name, devices in (("cp1", 1), ("cp2", 2)):
+        overrides = [f"trainer.devices={devices}", f"strategy.context_parallel_size={devices}"]
+        result = _run("fit", *parity, *overrides, f"run.root={tmp_path}", f"run.name={name}")
+        assert result.returncode == 0, result.stderr[-3000:]
+    (steps1, train1), (val_steps1, val1) = _losses(tmp_path / "cp1")
+    (steps2, train2), (val_steps2, val2) = _losses(tmp_path / "cp2")
+    assert steps1 == steps2 == list(range(6)) and val_steps1 == val_steps2 == [0, 3, 6]
+    _assert_same(train2, train1, rel=1e-9)
+    _assert_same(val2, val1, rel=1e-9)
+    assert train1[0] != train1[-1]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.hidden_sise=64"], "unknown key 'model.hidden_sise'"),
+        (["trainer.max_steps=many"], "trainer.max_steps: got 'many'"),
+        (["trainer.devices=3"], "world size 3 (trainer.devices=3 x trainer.num_nodes=1)"),
+        (["strategy.context_parallel_size=4"], "world size 2 (trainer.devices=2 x trainer.num_nodes=1)"),
+    ],
+)
+def test_bad_config_gives_one_clear_line_and_exit_code_2(overrides: list[str], message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_cp", "fit", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=_env(),
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"lightning-cp: error: {message}")

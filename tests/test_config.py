@@ -1,0 +1,92 @@
+"""Configuration merging, validation errors, packaged configs and the in-process console script."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from lightning_cp.cli import main
+from lightning_cp.config import Config, ConfigError, load_config, packaged_configs
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGED = packaged_configs()
+
+
+def test_defaults_then_file_then_overrides(tmp_path) -> None:
+    cfg = load_config()
+    assert cfg == OmegaConf.structured(Config)
+    assert cfg.strategy.context_parallel_size == 2 and cfg.trainer.devices == 2
+    path = tmp_path / "my.yaml"
+    path.write_text("model:\n  hidden_size: 64\n  num_layers: 2\ntrainer:\n  max_steps: 7\n")
+    cfg = load_config(str(path), ["trainer.max_steps=9", "data.sources=[a.txt,b.jsonl]", "run.name=x"])
+    assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.trainer.max_steps) == (64, 2, 9)
+    assert list(cfg.data.sources) == ["a.txt", "b.jsonl"] and cfg.run.name == "x"
+    assert cfg.model.num_heads == 4
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["model.hiden_size=64"], r"unknown key 'model.hiden_size'.*allowed keys in model: vocab_size, hidden_size"),
+        (["modle.hidden_size=64"], r"unknown key 'modle'.*allowed keys in top level: seed, run, model"),
+        (["model.hidden_size=big"], r"model.hidden_size: got 'big'.*expected a value of type int"),
+        (["model.tie_embeddings=perhaps"], r"model.tie_embeddings: got 'perhaps'.*type bool"),
+        (["strategy.context_parallel_size=two"], r"strategy.context_parallel_size: got 'two'.*int or null"),
+        (["strategy.attention_mode=tree"], r"strategy.attention_mode: got 'tree'; expected one of allgather, ring"),
+        (["trainer.precision=64"], r"trainer.precision: got '64'; expected one of 64-true"),
+        (["trainer.devices=3"], r"world size 3 .* not divisible by .* = 2"),
+        (["trainer.devices=4", "strategy.tensor_parallel_size=3"], r"world size 4 .* = 6"),
+        (["model.num_layers=0"], r"model.num_layers: got 0; expected an integer >= 1"),
+        (["data.val_fraction=1.0"], r"data.val_fraction: got 1.0; expected a number in \[0, 1\)"),
+        (["trainer.max_steps"], r"not of the form key=value"),
+    ],
+)
+def test_bad_values_name_the_key_and_what_it_accepts(overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, overrides)
+
+
+def test_bad_key_in_a_file_names_the_file(tmp_path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("optim:\n  learning_rate: 0.1\n")
+    expected = r"unknown key 'optim.learning_rate' in .*bad.yaml; allowed keys in optim: lr,"
+    with pytest.raises(ConfigError, match=expected):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match="no such file and no packaged config.*default"):
+        load_config(str(tmp_path / "missing.yaml"))
+
+
+def test_top_level_configs_are_the_packaged_ones() -> None:
+    top = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
+    assert top == sorted(p.name for p in PACKAGED.glob("*.yaml"))
+    assert {"default.yaml", "cp4_cpu.yaml", "gpu.yaml", "hybrid.yaml"} <= set(top)
+    for name in top:
+        assert (REPO / "configs" / name).read_text() == (PACKAGED / name).read_text(), name
+
+
+def test_default_yaml_is_exactly_the_built_in_defaults() -> None:
+    assert load_config("default") == load_config()
+
+
+def test_every_packaged_config_loads_by_name_and_path() -> None:
+    gpu = load_config("gpu")
+    assert gpu.trainer.precision == "bf16-mixed" and gpu.strategy.process_group_backend == "nccl"
+    assert gpu.data.tokens_per_sample >= 32768
+    cp4 = load_config(str(REPO / "configs" / "cp4_cpu.yaml"))
+    assert cp4.strategy.context_parallel_size == 4 and cp4.trainer.devices == 4
+    hybrid = load_config("hybrid")
+    assert list(hybrid.layout.contiguous_layers) and list(hybrid.layout.zigzag_layers)
+
+
+def test_print_config_prints_the_merged_yaml(capsys) -> None:
+    assert main(["print-config", "--config", "cp4_cpu", "optim.lr=0.5"]) == 0
+    printed = OmegaConf.create(capsys.readouterr().out)
+    assert printed.optim.lr == 0.5 and printed.strategy.context_parallel_size == 4
+
+
+def test_cli_bad_config_is_one_line_and_exit_code_2(capsys) -> None:
+    assert main(["fit", "model.hiden_size=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("lightning-cp: error: unknown key 'model.hiden_size'")

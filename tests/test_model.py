@@ -1,0 +1,104 @@
+"""The reference model on one device: shapes, tied weights, RoPE, per-document isolation and the schedule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_cp.callback import contiguous_packed_seq_params
+from lightning_cp.context import ContextParallelStep, activated
+from lightning_cp.data import collate_packed, pack_documents
+from lightning_cp.models import LlamaDecoder, LlamaLM
+from lightning_cp.models.layers import apply_rotary, rotary_cos_sin
+from lightning_cp.models.module import warmup_cosine
+from lightning_cp.sharding import shard_replica_batch
+
+TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 48}
+
+
+def _model(**overrides) -> LlamaLM:
+    torch.manual_seed(0)
+    return LlamaLM(**{**TINY, **overrides}).double()
+
+
+def test_forward_shapes_and_tied_or_untied_embeddings() -> None:
+    model = _model()
+    logits = model(torch.randint(0, 257, (2, 10)), torch.arange(10).expand(2, 10))
+    assert logits.shape == (2, 10, 257)
+    assert model.model.lm_head.weight is model.model.embed_tokens.weight
+    untied = _model(tie_embeddings=False)
+    assert untied.model.lm_head.weight is not untied.model.embed_tokens.weight
+    assert sum(p.numel() for p in untied.parameters()) == sum(p.numel() for p in model.parameters()) + 257 * 32
+
+
+def test_rotary_scores_depend_only_on_the_position_difference() -> None:
+    torch.manual_seed(1)
+    q, k = torch.randn(1, 1, 1, 8, dtype=torch.float64), torch.randn(1, 1, 1, 8, dtype=torch.float64)
+
+    def score(i: int, j: int) -> float:
+        cos_i, sin_i = rotary_cos_sin(torch.tensor([[i]]), 8, 10000.0, torch.float64)
+        cos_j, sin_j = rotary_cos_sin(torch.tensor([[j]]), 8, 10000.0, torch.float64)
+        return float((apply_rotary(q, cos_i, sin_i) * apply_rotary(k, cos_j, sin_j)).sum())
+
+    assert score(7, 3) == pytest.approx(score(104, 100), rel=1e-12)
+    assert score(7, 3) != pytest.approx(score(7, 4), rel=1e-6)
+    cos, sin = rotary_cos_sin(torch.tensor([[5]]), 8, 10000.0, torch.float64)
+    assert torch.linalg.norm(apply_rotary(q, cos, sin)) == pytest.approx(float(torch.linalg.norm(q)))
+
+
+def test_packed_documents_do_not_see_each_other() -> None:
+    model = _model()
+    first, second = list(range(40, 53)), list(range(60, 69))
+    packed = collate_packed(pack_documents([first, second], budget=32))
+    assert packed["cu_seqlens"].tolist() == [0, 13, 22]
+    loss_packed = model._loss(dict(packed)).mean
+    losses = [model._loss({"input_ids": torch.tensor([doc])}) for doc in (first, second)]
+    expected = (losses[0].mean * 12 + losses[1].mean * 8) / 20
+    assert float(loss_packed) == pytest.approx(float(expected), rel=1e-12)
+    alone = model(torch.tensor([second]), torch.arange(9).unsqueeze(0))
+    sharded = shard_replica_batch(packed)
+    assert sharded.position_ids.tolist() == [list(range(13)) + list(range(9))]
+    with activated(ContextParallelStep(cp_size=1, contiguous_packed_seq_params=contiguous_packed_seq_params(sharded))):
+        together = model(sharded.input_ids, sharded.position_ids)
+    torch.testing.assert_close(together[:, 13:], alone, rtol=1e-12, atol=1e-12)
+
+
+def test_grouped_query_attention_matches_repeated_key_value_heads() -> None:
+    grouped = _model(num_kv_heads=2)
+    full = _model(num_kv_heads=4)
+    with torch.no_grad():
+        for g_layer, f_layer in zip(grouped.model.layers, full.model.layers, strict=True):
+            for name in ("k_proj", "v_proj"):
+                weight = getattr(g_layer.attention, name).weight.view(2, 8, 32)
+                getattr(f_layer.attention, name).weight.copy_(weight.repeat_interleave(2, dim=0).reshape(32, 32))
+        full_state = {k: v for k, v in grouped.state_dict().items() if "k_proj" not in k and "v_proj" not in k}
+        full.load_state_dict(full_state, strict=False)
+    ids, pos = torch.randint(0, 257, (1, 12)), torch.arange(12).unsqueeze(0)
+    torch.testing.assert_close(grouped(ids, pos), full(ids, pos), rtol=1e-12, atol=1e-12)
+
+
+def test_bad_head_counts_are_rejected() -> None:
+    with pytest.raises(ValueError, match="num_heads .4. and num_heads by num_kv_heads .3."):
+        LlamaDecoder(hidden_size=32, num_heads=4, num_kv_heads=3)
+
+
+def test_activation_checkpointing_gives_the_same_gradients() -> None:
+    plain, checkpointed = _model(), _model(activation_checkpointing=True)
+    batch = collate_packed(pack_documents([list(range(30, 50)), list(range(70, 80))], budget=64))
+    grads = []
+    for model in (plain, checkpointed):
+        model._loss(dict(batch)).loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_warmup_cosine_schedule() -> None:
+    assert warmup_cosine(0, 10, 100, 0.1) == pytest.approx(0.1)
+    assert warmup_cosine(9, 10, 100, 0.1) == pytest.approx(1.0)
+    assert warmup_cosine(10, 10, 100, 0.1) == pytest.approx(1.0)
+    assert warmup_cosine(55, 10, 100, 0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert warmup_cosine(100, 10, 100, 0.1) == pytest.approx(0.1)
+    assert warmup_cosine(500, 10, 100, 0.1) == pytest.approx(0.1)

@@ -1,0 +1,171 @@
+"""``cp_zigzag`` end to end: training parity with one process, hybrid layouts, groups, sampler and weight sync."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy
+from lightning_cp.layout import CPLayout
+from tests.distributed_harness import run_on_ranks
+from tests.test_strategy_models import TinyTransformer, dense_batches, packed_batches, reference_run
+
+# Forked ranks must not inherit a started OpenMP pool, so this process computes single-threaded.
+torch.set_num_threads(1)
+
+STEPS = 5
+TRAINER_OPTIONS = {
+    "accelerator": "cpu",
+    "enable_progress_bar": False,
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_model_summary": False,
+    "num_sanity_val_steps": 0,
+}
+ATTENTION = ("attention", "attention")
+HYBRID = ("attention", "attention", "recurrent", "recurrent", "attention")
+POLICY = {"zigzag_layers": ["*AttentionBlock"], "contiguous_layers": ["blocks.2", "blocks.3"]}
+
+
+@dataclass(frozen=True)
+class FitRun:
+    """One ``trainer.fit`` under ``cp_zigzag``: the model's blocks, the batches and the strategy arguments."""
+
+    name: str
+    kinds: tuple[str, ...]
+    batch_kind: str
+    strategy: dict[str, Any] = field(default_factory=dict)
+    checkpoint_blocks: bool = False
+
+    @property
+    def batches(self) -> list[dict[str, torch.Tensor]]:
+        """Return enough batches for two replicas."""
+        return (dense_batches if self.batch_kind == "dense" else packed_batches)(2 * STEPS)
+
+
+def fit_on_rank(world_size: int, runs: list[FitRun]) -> list[dict[str, Any]]:
+    """Run every fit in turn on this rank and return what each rank saw."""
+    results = []
+    for run in runs:
+        os.environ["WORLD_SIZE"] = str(world_size)  # Lightning's teardown removes it
+        model = TinyTransformer(run.kinds, checkpoint_blocks=run.checkpoint_blocks)
+        callback = ContextParallelLayoutCallback(**POLICY)
+        trainer = pl.Trainer(
+            devices=world_size,
+            strategy=CPZigzagStrategy(**run.strategy),
+            callbacks=[callback],
+            max_steps=STEPS,
+            **TRAINER_OPTIONS,
+        )
+        trainer.fit(model, DataLoader(run.batches, batch_size=None))
+        mesh = trainer.strategy.cp_mesh
+        results.append(
+            {
+                "losses": model.train_losses,
+                "indices": model.batch_indices,
+                "weights": {name: tensor.numpy().copy() for name, tensor in model.state_dict().items()},
+                "layouts": model.seen_layouts[: len(run.kinds)],
+                "conversions": callback.last_step.layer_conversion_count,
+                "dp_rank": mesh.dp_rank,
+                "cp_rank": mesh.cp_rank,
+            }
+        )
+    return results
+
+
+WORLD_2_RUNS = [
+    FitRun("cp2-dense-allgather", ATTENTION, "dense", {"context_parallel_size": 2}),
+    FitRun("cp2-dense-ring", ATTENTION, "dense", {"context_parallel_size": 2, "attention_mode": "ring"}),
+    FitRun("cp2-packed-allgather", ATTENTION, "packed", {"context_parallel_size": 2}),
+    FitRun("cp2-packed-ring", ATTENTION, "packed", {"context_parallel_size": 2, "attention_mode": "ring"}),
+    FitRun("cp2-packed-zigzag-boundary", ATTENTION, "packed", {"boundary_layout": "zigzag"}),
+    FitRun("cp2-hybrid-dense", HYBRID, "dense", {}),
+    FitRun("cp2-hybrid-packed-ring", HYBRID, "packed", {"attention_mode": "ring"}),
+    FitRun("cp2-hybrid-packed-zigzag-boundary", HYBRID, "packed", {"boundary_layout": "zigzag"}),
+    FitRun("cp2-hybrid-packed-checkpointed", HYBRID, "packed", {}, checkpoint_blocks=True),
+]
+WORLD_4_RUNS = [
+    FitRun("cp4-dense-allgather", ATTENTION, "dense", {"context_parallel_size": 4}),
+    FitRun("cp4-dense-ring", ATTENTION, "dense", {"context_parallel_size": 4, "attention_mode": "ring"}),
+    FitRun("cp4-packed-allgather", ATTENTION, "packed", {"context_parallel_size": 4}),
+    FitRun("cp4-packed-ring", ATTENTION, "packed", {"context_parallel_size": 4, "attention_mode": "ring"}),
+    FitRun("dp2cp2-dense-allgather", ATTENTION, "dense", {"context_parallel_size": 2}),
+    FitRun("dp2cp2-dense-ring", ATTENTION, "dense", {"context_parallel_size": 2, "attention_mode": "ring"}),
+    FitRun("dp2cp2-packed-allgather", ATTENTION, "packed", {"context_parallel_size": 2}),
+    FitRun("dp2cp2-packed-ring", ATTENTION, "packed", {"context_parallel_size": 2, "attention_mode": "ring"}),
+    FitRun("cp4-hybrid-packed", HYBRID, "packed", {"context_parallel_size": 4}),
+    FitRun("dp2cp2-hybrid-dense-ring", HYBRID, "dense", {"context_parallel_size": 2, "attention_mode": "ring"}),
+]
+RUNS = {run.name: (2, run) for run in WORLD_2_RUNS} | {run.name: (4, run) for run in WORLD_4_RUNS}
+
+
+@cache
+def launch(world_size: int) -> list[list[dict[str, Any]]]:
+    """Fork ``world_size`` ranks once and run all fits of that world size; indexed ``[rank][run]``."""
+    runs = WORLD_2_RUNS if world_size == 2 else WORLD_4_RUNS
+    return run_on_ranks(fit_on_rank, world_size, world_size, runs, init_process_group=False, timeout=240)
+
+
+def expected_layouts(kinds: tuple[str, ...]) -> list[tuple[str, str]]:
+    """Return the layout each block asked for: zigzag for attention, contiguous for recurrent."""
+    names = {"attention": ("AttentionBlock", "zigzag"), "recurrent": ("RecurrentBlock", "contiguous")}
+    return [names[kind] for kind in kinds]
+
+
+def layout_changes(kinds: tuple[str, ...], boundary: str) -> int:
+    """Count the layout changes along boundary, blocks, boundary."""
+    layouts = [boundary, *(layout for _, layout in expected_layouts(kinds)), boundary]
+    return sum(before != after for before, after in zip(layouts, layouts[1:], strict=False))
+
+
+def assert_close(actual: float, expected: float, what: str) -> None:
+    """Assert relative agreement to 1e-9."""
+    assert abs(actual - expected) <= 1e-9 * abs(expected), f"{what}: {actual!r} != {expected!r}"
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_training_matches_one_process(name: str) -> None:
+    """Per-step losses and final weights equal a single-process run on the same batches (float64, rel 1e-9)."""
+    world_size, run = RUNS[name]
+    index = (WORLD_2_RUNS if world_size == 2 else WORLD_4_RUNS).index(run)
+    per_rank = [rank_results[index] for rank_results in launch(world_size)]
+    replicas = sorted({result["dp_rank"] for result in per_rank})
+    indices_by_replica = {}
+    for replica in replicas:
+        members = [result for result in per_rank if result["dp_rank"] == replica]
+        assert all(member["indices"] == members[0]["indices"] for member in members), "CP ranks saw different data"
+        assert all(member["losses"] == members[0]["losses"] for member in members), "CP ranks logged different means"
+        indices_by_replica[replica] = members[0]["indices"]
+    assert len(indices_by_replica[replicas[0]]) == STEPS
+    order = [[indices_by_replica[replica][step] for replica in replicas] for step in range(STEPS)]
+    assert all(len(set(step_indices)) == len(replicas) for step_indices in order), "replicas shared a batch"
+    reference_losses, reference_weights = reference_run(run.kinds, run.batches, order)
+    for result in per_rank:
+        for step in range(STEPS):
+            expected = reference_losses[step][replicas.index(result["dp_rank"])]
+            assert_close(result["losses"][step], expected, f"{name} step {step} loss")
+        for parameter, expected in reference_weights.items():
+            actual = torch.from_numpy(result["weights"][parameter])
+            scale = expected.abs().max().item()
+            error = (actual - expected).abs().max().item()
+            assert error <= 1e-9 * scale, f"{name} {parameter}: max error {error} vs scale {scale}"
+
+
+@pytest.mark.parametrize("name", [name for name, (_, run) in RUNS.items() if run.kinds == HYBRID])
+def test_each_block_sees_its_layout_and_conversions_match_layout_changes(name: str) -> None:
+    """Attention blocks run in zigzag, recurrent ones in contiguous; one conversion per layout change."""
+    world_size, run = RUNS[name]
+    index = (WORLD_2_RUNS if world_size == 2 else WORLD_4_RUNS).index(run)
+    boundary = run.strategy.get("boundary_layout", CPLayout.CONTIGUOUS.value)
+    recomputed = 2 if run.checkpoint_blocks else 1
+    for rank_results in launch(world_size):
+        result = rank_results[index]
+        assert result["layouts"] == expected_layouts(run.kinds)
+        assert result["conversions"] == recomputed * layout_changes(run.kinds, boundary)
