@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_cp import attention
-from lightning_cp.attention_kernels import CPU_FLASH
+from lightning_cp import attention_kernels as kernels
 from lightning_cp.packed import PackedSeqParams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "attention_bench.md"
@@ -59,7 +59,7 @@ def workloads(total: int, seed: int = 0) -> list[Workload]:
     ]
 
 
-def _layout_tokens(workload: Workload, cp: int, layout: str) -> list[attention.RankTokens]:
+def _layout_tokens(workload: Workload, cp: int, layout: str) -> list[kernels.RankTokens]:
     """Every rank's token metadata for ``layout`` (zigzag: per-document chunks; contiguous: even split)."""
     if layout == "zigzag":
         padded = attention.padded_lengths(workload.lengths, cp)
@@ -67,7 +67,7 @@ def _layout_tokens(workload: Workload, cp: int, layout: str) -> list[attention.R
     return [attention.contiguous_tokens(workload.lengths, cp, rank) for rank in range(cp)]
 
 
-def _shard(x: torch.Tensor, tokens: attention.RankTokens, offsets: torch.Tensor) -> torch.Tensor:
+def _shard(x: torch.Tensor, tokens: kernels.RankTokens, offsets: torch.Tensor) -> torch.Tensor:
     """Gather one rank's half-major slots of a flat ``[N, H, D]`` tensor as ``[1, H, T, D]`` (zeros in padding)."""
     valid = tokens.doc >= 0
     index = torch.where(valid, offsets[tokens.doc.clamp(min=0)] + tokens.pos, 0)
@@ -75,16 +75,16 @@ def _shard(x: torch.Tensor, tokens: attention.RankTokens, offsets: torch.Tensor)
     return local.permute(1, 0, 2).unsqueeze(0).contiguous()
 
 
-def _rank_time(workload: Workload, tokens: list[attention.RankTokens], rank: int, tensors: tuple) -> float:
+def _rank_time(workload: Workload, tokens: list[kernels.RankTokens], rank: int, tensors: tuple) -> float:
     """Seconds of one rank's forward + backward against every rank's K/V (the all-gather computation)."""
     q, k, v = tensors
     offsets = torch.tensor([0, *workload.lengths]).cumsum(0)
-    plan = attention.build_block_plan(tokens, rank, True, torch.device("cpu"))
+    plan = kernels.build_block_plan(tokens, rank, True, torch.device("cpu"))
     q_local = _shard(q, tokens[rank], offsets).requires_grad_()
     kv_all = torch.stack([torch.stack([_shard(k, t, offsets), _shard(v, t, offsets)]) for t in tokens])
     kv_all.requires_grad_()
     start = time.perf_counter()
-    out = attention._GatheredAttention.apply(q_local, kv_all, plan, CPU_FLASH, HEAD_DIM**-0.5)
+    out = attention._GatheredAttention.apply(q_local, kv_all, plan, kernels.CPU_FLASH, HEAD_DIM**-0.5)
     out.backward(torch.ones_like(out))
     return time.perf_counter() - start
 

@@ -5,8 +5,8 @@ Lightning's launcher. The worker trains the reference model on one synthetic doc
 sequence length in ascending order and records, per rank: the median step time, the peak resident memory above the
 worker's baseline, and the time spent in layout conversions (``layout._move_segments`` / ``_move_tokens``, forward and
 backward) and in attention communication (K/V all-gather forward/backward, ring transfers). A cp stops growing ``S``
-when its peak memory passes ``--cap-mib`` (the longest sequence under the cap is the last one that fit) or a step
-takes longer than ``--max-step-s``.
+once a rank's peak memory passes ``--stop-mib`` or a step takes longer than ``--max-step-s``; the longest sequence
+that trains under the per-rank cap ``--cap-mib`` is the longest measured one whose peak stays below it.
 
     python benchmarks/train_bench.py            # 4k..64k, cp 1, 2, 4
     python benchmarks/train_bench.py --quick    # 1k..8k, a minute or two
@@ -48,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=2, help="timed steps per point (after one warm-up step)")
     ap.add_argument("--cap-mib", type=float, default=512.0, help="per-rank memory cap for the longest-sequence search")
     ap.add_argument("--max-step-s", type=float, default=40.0, help="stop growing a cp once a step takes longer")
+    ap.add_argument("--stop-mib", type=float, default=3072.0, help="stop growing a cp once a rank's peak passes this")
     ap.add_argument("--attention-mode", default="allgather", choices=("allgather", "ring"))
     ap.add_argument("--out", type=Path, default=RESULTS / "train_bench.md", help="markdown table to write")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -55,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:
-        args.seqs, args.steps, args.cap_mib = "1024,2048,4096,8192", 1, 96.0
+        args.seqs, args.steps, args.cap_mib, args.max_step_s = "1024,2048,4096,8192", 1, 96.0, 10.0
     return args
 
 
@@ -175,17 +176,22 @@ def worker(args: argparse.Namespace) -> None:
         point["peak_mib"] -= baseline
         with out.open("a") as handle:
             handle.write(json.dumps(point) + "\n")
-        if point["peak_mib"] > args.cap_mib or point["step_s"] > args.max_step_s:
+        if point["peak_mib"] > args.stop_mib or point["step_s"] > args.max_step_s:
             break
 
 
 def run_cp(args: argparse.Namespace, cp: int, result_dir: Path) -> list[dict[str, Any]]:
     """Start the worker for ``cp`` and return its per-point results (max over ranks)."""
     command = [sys.executable, os.path.abspath(__file__), "--worker", f"--cp={cp}", f"--seqs={args.seqs}"]
-    command += [f"--steps={args.steps}", f"--cap-mib={args.cap_mib}", f"--max-step-s={args.max_step_s}"]
+    command += [f"--steps={args.steps}", f"--stop-mib={args.stop_mib}", f"--max-step-s={args.max_step_s}"]
     command += [f"--attention-mode={args.attention_mode}", f"--result-dir={result_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // cp)), "PYTHONWARNINGS": "ignore"}
-    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = result_dir / f"cp{cp}.log"
+    with log.open("w") as handle:
+        done = subprocess.run(command, env=env, stdout=handle, stderr=subprocess.STDOUT, check=False)
+    if done.returncode != 0:
+        errors = [line for line in log.read_text().splitlines() if "Error" in line]
+        print(f"cp={cp}: worker failed (exit {done.returncode}):\n" + "\n".join(errors[:10]), flush=True)
     by_seq: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for path in result_dir.glob(f"cp{cp}_rank*.jsonl"):
         for line in path.read_text().splitlines():
@@ -197,8 +203,8 @@ def run_cp(args: argparse.Namespace, cp: int, result_dir: Path) -> list[dict[str
             "seq": seq,
             "step_s": max(p["step_s"] for p in points),
             "peak_mib": max(p["peak_mib"] for p in points),
-            "layout_share": max(p["layout_share"] for p in points),
-            "attention_comm_share": max(p["attention_comm_share"] for p in points),
+            "layout_share": statistics.mean(p["layout_share"] for p in points),
+            "attention_comm_share": statistics.mean(p["attention_comm_share"] for p in points),
         }
         for seq, points in sorted(by_seq.items())
         if len(points) == cp
@@ -218,10 +224,11 @@ def report(args: argparse.Namespace, results: dict[int, list[dict[str, Any]]], w
         "",
         f"Model {MODEL}, one packed document of S tokens per step, AdamW, fp32, {args.attention_mode} attention.",
         f"CPU: {os.cpu_count()} cores, gloo; each rank uses max(1, cores / cp) threads. Median of {args.steps} timed "
-        "step(s) after one warm-up step; times and shares are the slowest rank's, memory the largest rank's peak RSS "
-        "above its worker's baseline (model, optimizer state and activations of the largest step so far).",
+        "step(s) after one warm-up step; step time is the slowest rank's, shares the mean over ranks, memory the "
+        "largest rank's peak RSS above its worker's baseline (model, optimizer state and activations).",
         "Layout = time inside the layout conversions (index + all-to-all-v, forward and backward); attention comm = "
-        "time inside K/V all-gather (forward) / reduce-scatter (backward) or waiting on ring transfers.",
+        "time inside K/V all-gather (forward) / reduce-scatter (backward) or waiting on ring transfers; both include "
+        "waiting for a slower peer.",
         "",
         "| cp | seq | step time (s) | tokens/s | peak mem / rank (MiB) | layout conversion | attention comm |",
         "| --- | --- | --- | --- | --- | --- | --- |",
@@ -233,18 +240,18 @@ def report(args: argparse.Namespace, results: dict[int, list[dict[str, Any]]], w
                 f"| {100 * p['layout_share']:.1f}% | {100 * p['attention_comm_share']:.1f}% |"
             )
     lines += ["", f"Longest sequence that trains under {args.cap_mib:.0f} MiB per rank (among the lengths tried):", ""]
-    lines += ["| cp | longest seq | last tried | why the sweep stopped |", "| --- | --- | --- | --- |"]
+    lines += ["| cp | longest seq under cap | longest run | why the sweep stopped |", "| --- | --- | --- | --- |"]
     seqs = [int(s) for s in args.seqs.split(",")]
     for cp, points in results.items():
         last = points[-1] if points else None
         if last is None:
             why = "no point finished"
-        elif last["peak_mib"] > args.cap_mib:
-            why = f"{last['peak_mib']:.0f} MiB > cap at {last['seq']}"
+        elif last["peak_mib"] > args.stop_mib:
+            why = f"{last['peak_mib']:.0f} MiB > {args.stop_mib:.0f} MiB safety stop at {last['seq']}"
         elif last["step_s"] > args.max_step_s and last["seq"] != seqs[-1]:
-            why = f"step {last['step_s']:.0f} s > {args.max_step_s:.0f} s budget (memory not the limit yet)"
+            why = f"step {last['step_s']:.0f} s > {args.max_step_s:.0f} s time budget at {last['seq']}"
         else:
-            why = "all lengths fit"
+            why = "all lengths ran"
         longest = longest_under_cap(points, args.cap_mib)
         lines.append(f"| {cp} | {longest or '-'} | {last['seq'] if last else '-'} | {why} |")
     lines += [

@@ -14,7 +14,6 @@ import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from itertools import pairwise
 
 import torch
@@ -26,9 +25,15 @@ from lightning_cp.attention_kernels import (
     CPU_FLASH,
     MATH,
     BlockKernel,
+    BlockPlan,
+    RankTokens,
     accumulation_dtype,
-    finite_lse,
+    backward_source,
+    build_block_plan,
     flash_attn_varlen_func,
+    forward_source,
+    halves,
+    new_accumulator,
 )
 from lightning_cp.packed import PackedSeqParams
 
@@ -39,42 +44,6 @@ BACKENDS = ("auto", "cpu_flash", "math", "flash_attn")
 _KERNELS = {"cpu_flash": CPU_FLASH, "math": MATH}
 _LOGGED_CHOICES: set[tuple[str, str, str]] = set()
 _RING_KV_TAG, _RING_BACKWARD_KV_TAG, _RING_DKV_TAG = 0, 1, 2
-_MIN_GROUP_ROWS = 128
-
-
-@dataclass(frozen=True)
-class RankTokens:
-    """Document id (``-1`` for padding) and in-document position of one rank's tokens in half-major order.
-
-    ``perm`` maps half-major order to the rank's local order (``half_major = local[perm]``); ``None`` if they agree.
-    """
-
-    doc: Tensor
-    pos: Tensor
-    perm: Tensor | None
-
-
-@dataclass(frozen=True)
-class Block:
-    """Local query rows x source key rows (half-major order) that attend.
-
-    Every pair attends unless ``mask`` (boolean ``[rows, cols]``) says otherwise or ``causal`` makes the square block
-    lower-triangular.
-    """
-
-    rows: slice
-    cols: slice
-    mask: Tensor | None = None
-    causal: bool = False
-
-
-@dataclass(frozen=True)
-class BlockPlan:
-    """The blocks one rank computes: ``blocks[src]`` against source rank ``src``'s keys, empty ones left out."""
-
-    cp: int
-    rank: int
-    blocks: tuple[tuple[Block, ...], ...]
 
 
 def zigzag_tokens(lengths: Sequence[int], padded: Sequence[int], cp: int, rank: int) -> RankTokens:
@@ -225,124 +194,6 @@ def context_parallel_attention(
     return _from_internal(out, packed, perm)
 
 
-def build_block_plan(tokens: Sequence[RankTokens], rank: int, causal: bool, device: torch.device) -> BlockPlan:
-    """Find, per source rank and (query half, key half), the document-group sub-blocks with a visible pair."""
-    half = tokens[rank].doc.shape[0] // 2
-    documents = max((int(t.doc.max()) for t in tokens if t.doc.numel()), default=-1) + 1
-    blocks = []
-    for source in tokens:
-        source_blocks: list[Block] = []
-        for q_half, query in enumerate(_halves(tokens[rank])):
-            for k_half, key in enumerate(_halves(source)):
-                for block in _document_blocks(query, key, causal, documents):
-                    source_blocks.append(_placed(block, q_half * half, k_half * half, device))
-        blocks.append(tuple(source_blocks))
-    return BlockPlan(len(tokens), rank, tuple(blocks))
-
-
-@dataclass(frozen=True)
-class _Spans:
-    """Per document of one half: first row, last row + 1, and number of tokens."""
-
-    start: list[int]
-    stop: list[int]
-    count: list[int]
-
-
-def _spans(doc: Tensor, documents: int) -> _Spans:
-    """Locate every document's tokens in one half."""
-    valid = doc >= 0
-    ids, index = doc.masked_select(valid), torch.nonzero(valid).squeeze(1)
-    start = torch.full((documents,), doc.shape[0], dtype=torch.int64).scatter_reduce(0, ids, index, "amin")
-    stop = torch.zeros(documents, dtype=torch.int64).scatter_reduce(0, ids, index + 1, "amax")
-    return _Spans(start.tolist(), stop.tolist(), torch.bincount(ids, minlength=documents).tolist())
-
-
-def _document_blocks(
-    query: tuple[Tensor, Tensor], key: tuple[Tensor, Tensor], causal: bool, documents: int
-) -> list[Block]:
-    """Cut one half-by-half block into bounding boxes of document groups, dropping those without a visible pair."""
-    q_spans, k_spans = _spans(query[0], documents), _spans(key[0], documents)
-    blocks = []
-    for group in _document_groups(q_spans, k_spans):
-        rows = slice(min(q_spans.start[d] for d in group), max(q_spans.stop[d] for d in group))
-        cols = slice(min(k_spans.start[d] for d in group), max(k_spans.stop[d] for d in group))
-        whole = rows.stop - rows.start == q_spans.count[group[0]] and cols.stop - cols.start == k_spans.count[group[0]]
-        if len(group) == 1 and whole:
-            block = _single_document_block(rows, cols, query[1][rows], key[1][cols], causal)
-        else:
-            block = _masked_block(rows, cols, query, key, causal, group)
-        if block is not None:
-            blocks.append(block)
-    return blocks
-
-
-def _document_groups(q_spans: _Spans, k_spans: _Spans) -> list[list[int]]:
-    """Documents on both sides, in order: large ones alone, runs of adjacent small ones up to ``_MIN_GROUP_ROWS`` rows.
-
-    A run never spans a document it leaves out, so its bounding box stays small.
-    """
-    groups: list[list[int]] = []
-    current: list[int] = []
-    for doc, (q_count, k_count) in enumerate(zip(q_spans.count, k_spans.count, strict=True)):
-        small = 0 < q_count < _MIN_GROUP_ROWS and 0 < k_count < _MIN_GROUP_ROWS
-        if small:
-            current.append(doc)
-        if current and (not small or sum(q_spans.count[d] for d in current) >= _MIN_GROUP_ROWS):
-            groups.append(current)
-            current = []
-        if not small and q_count and k_count:
-            groups.append([doc])
-    return groups + [current] if current else groups
-
-
-def _single_document_block(rows: slice, cols: slice, q_pos: Tensor, k_pos: Tensor, causal: bool) -> Block | None:
-    """Classify one document's rows x cols by position alone: full, empty, the causal diagonal, or masked."""
-    if not causal or int(q_pos.min()) >= int(k_pos.max()):
-        return Block(rows, cols)
-    if int(q_pos.max()) < int(k_pos.min()):
-        return None
-    if torch.equal(q_pos, k_pos) and bool((q_pos[1:] > q_pos[:-1]).all()):
-        return Block(rows, cols, causal=True)
-    return Block(rows, cols, k_pos.unsqueeze(0) <= q_pos.unsqueeze(1))
-
-
-def _masked_block(
-    rows: slice,
-    cols: slice,
-    query: tuple[Tensor, Tensor],
-    key: tuple[Tensor, Tensor],
-    causal: bool,
-    group: list[int],
-) -> Block | None:
-    """Build the explicit mask of a document group's bounding box, restricted to the group's documents."""
-    q_doc = query[0][rows]
-    mask = _visible(q_doc, query[1][rows], key[0][cols], key[1][cols], causal)
-    mask &= torch.isin(q_doc, torch.tensor(group)).unsqueeze(1)
-    if not bool(mask.any()):
-        return None
-    return Block(rows, cols, None if bool(mask.all()) else mask)
-
-
-def _placed(block: Block, row_offset: int, col_offset: int, device: torch.device) -> Block:
-    """Shift a half-relative block to half-major rows and columns and move its mask to ``device``."""
-    rows = slice(block.rows.start + row_offset, block.rows.stop + row_offset)
-    cols = slice(block.cols.start + col_offset, block.cols.stop + col_offset)
-    return Block(rows, cols, None if block.mask is None else block.mask.to(device), block.causal)
-
-
-def _halves(tokens: RankTokens) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
-    """Split a rank's half-major token metadata into its front and back halves."""
-    half = tokens.doc.shape[0] // 2
-    return (tokens.doc[:half], tokens.pos[:half]), (tokens.doc[half:], tokens.pos[half:])
-
-
-def _visible(q_doc: Tensor, q_pos: Tensor, k_doc: Tensor, k_pos: Tensor, causal: bool) -> Tensor:
-    """Boolean ``[Sq, Sk]``: same document, query not padding, and (if causal) key not after the query."""
-    mask = (q_doc.unsqueeze(1) == k_doc.unsqueeze(0)) & (q_doc >= 0).unsqueeze(1)
-    return mask & (k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)) if causal else mask
-
-
 def _to_internal(x: Tensor, packed: bool, perm: Tensor | None) -> Tensor:
     """Bring ``[S, B, H, D]`` or ``[T, H, D]`` to the kernels' ``[B, H, S, D]`` in half-major token order."""
     if not packed:
@@ -360,70 +211,14 @@ def _from_internal(out: Tensor, packed: bool, perm: Tensor | None) -> Tensor:
     return (out if perm is None else out.index_select(0, torch.argsort(perm))).contiguous()
 
 
-def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tensor]:
-    """Combine two partial softmax results by their log-sum-exp; rows empty in both stay zero."""
-    merged = torch.logaddexp(lse, block_lse)
-    safe = finite_lse(merged)
-    out = out * torch.exp(lse - safe).unsqueeze(-1) + block_out * torch.exp(block_lse - safe).unsqueeze(-1)
-    return out, merged
-
-
-def _new_accumulator(q: Tensor) -> tuple[Tensor, Tensor]:
-    """Empty partial results: output 0 and log-sum-exp ``-inf`` for every query row."""
-    acc = accumulation_dtype(q.dtype)
-    return q.new_zeros(q.shape, dtype=acc), q.new_full(q.shape[:3], -math.inf, dtype=acc)
-
-
-def _forward_source(
-    acc: tuple[Tensor, Tensor],
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    blocks: Sequence[Block],
-    kernel: BlockKernel,
-    scale: float,
-) -> None:
-    """Attend the local queries to one source rank's K/V block by block, merging into ``acc`` in place."""
-    out, lse = acc
-    for block in blocks:
-        rows, cols = block.rows, block.cols
-        queries, keys, values = q[:, :, rows], k[:, :, cols], v[:, :, cols]
-        block_out, block_lse = kernel.forward(queries, keys, values, block.mask, block.causal, scale)
-        out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
-
-
-def _backward_source(
-    dq: Tensor,
-    tensors: tuple[Tensor, Tensor, Tensor, Tensor],
-    k: Tensor,
-    v: Tensor,
-    blocks: Sequence[Block],
-    kernel: BlockKernel,
-    scale: float,
-) -> Tensor:
-    """Add one source rank's blocks to ``dq`` and return that source's stacked ``[dK, dV]`` contribution."""
-    dout, q, out, lse = tensors
-    dkv = k.new_zeros((2, *k.shape), dtype=dq.dtype)
-    for block in blocks:
-        rows, cols = block.rows, block.cols
-        gq, gk, gv = kernel.backward(
-            dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows], lse[:, :, rows],
-            block.mask, block.causal, scale,
-        )  # fmt: skip
-        dq[:, :, rows] += gq
-        dkv[0, :, :, cols] += gk
-        dkv[1, :, :, cols] += gv
-    return dkv
-
-
 class _GatheredAttention(torch.autograd.Function):
     """Local queries against every rank's gathered K/V ``[cp, 2, B, Hkv, T, D]``; the gather's backward sums dK/dV."""
 
     @staticmethod
     def forward(ctx, q, kv_all, plan, kernel, scale):  # type: ignore[override]
-        acc = _new_accumulator(q)
+        acc = new_accumulator(q)
         for src in range(plan.cp):
-            _forward_source(acc, q, kv_all[src, 0], kv_all[src, 1], plan.blocks[src], kernel, scale)
+            forward_source(acc, q, kv_all[src, 0], kv_all[src, 1], plan.blocks[src], kernel, scale)
         out, lse = acc[0].to(q.dtype), acc[1]
         ctx.save_for_backward(q, kv_all, out, lse)
         ctx.plan, ctx.kernel, ctx.scale = plan, kernel, scale
@@ -436,7 +231,7 @@ class _GatheredAttention(torch.autograd.Function):
         tensors, plan = (dout, q, out, lse), ctx.plan
         dkv_all = torch.stack(
             [
-                _backward_source(dq, tensors, kv_all[src, 0], kv_all[src, 1], plan.blocks[src], ctx.kernel, ctx.scale)
+                backward_source(dq, tensors, kv_all[src, 0], kv_all[src, 1], plan.blocks[src], ctx.kernel, ctx.scale)
                 for src in range(plan.cp)
             ]
         )
@@ -448,12 +243,12 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan, kernel, scale, group):  # type: ignore[override]
-        acc = _new_accumulator(q)
+        acc = new_accumulator(q)
         kv = torch.stack([k, v])
         for step in range(plan.cp):
             transfer = comm.ring_shift(kv, group, _RING_KV_TAG) if step < plan.cp - 1 else None
             src = (plan.rank - step) % plan.cp
-            _forward_source(acc, q, kv[0], kv[1], plan.blocks[src], kernel, scale)
+            forward_source(acc, q, kv[0], kv[1], plan.blocks[src], kernel, scale)
             if transfer is not None:
                 kv = transfer.wait()
         out, lse = acc[0].to(q.dtype), acc[1]
@@ -470,7 +265,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             transfer = comm.ring_shift(kv, ctx.group, _RING_BACKWARD_KV_TAG) if step < cp - 1 else None
             src = (plan.rank - step) % cp
-            dkv = _backward_source(dq, (dout, q, out, lse), kv[0], kv[1], plan.blocks[src], ctx.kernel, ctx.scale)
+            dkv = backward_source(dq, (dout, q, out, lse), kv[0], kv[1], plan.blocks[src], ctx.kernel, ctx.scale)
             if dkv_transfer is not None:
                 dkv += dkv_transfer.wait()
             if cp > 1:
@@ -526,7 +321,7 @@ def _varlen_pieces(
     sorted_keys[doc_start[doc_all[valid_keys]] + pos_all[valid_keys]] = valid_keys
     local, per_batch_keys = tokens[rank].doc.shape[0], doc_all.shape[0]
     pieces = []
-    for half, (doc, pos) in enumerate(_halves(tokens[rank])):
+    for half, (doc, pos) in enumerate(halves(tokens[rank])):
         rows = torch.nonzero(doc >= 0).squeeze(1) + half * (local // 2)
         valid_doc, valid_pos = doc.masked_select(doc >= 0), pos.masked_select(doc >= 0)
         q_count = torch.bincount(valid_doc, minlength=lengths.shape[0])

@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
 from lightning_cp.attention import attention_work_per_rank
@@ -65,9 +66,9 @@ class ParallelSetting:
     cp_rank: int = 0
     tp_size: int = 1
     tp_rank: int = 0
-    cp_group: Any = None
-    tp_group: Any = None
-    tp_cp_group: Any = None
+    cp_group: ProcessGroup | None = None
+    tp_group: ProcessGroup | None = None
+    tp_cp_group: ProcessGroup | None = None
     sequence_parallel: bool = False
     boundary_layout: CPLayout = CPLayout.CONTIGUOUS
     attention_mode: str = "allgather"
@@ -102,7 +103,6 @@ class ContextParallelLayoutCallback(Callback):
         self.side_inputs = tuple(side_inputs)
         self.log_metrics = log_metrics
         self.wrapped_layers: list[WrappedLayer] = []
-        self.last_step: ContextParallelStep | None = None
         self._wrapped_model: nn.Module | None = None
         self._hook_handles: list[RemovableHandle] = []
         self._manager: ContextParallelLayoutManager | None = None
@@ -210,7 +210,6 @@ class ContextParallelLayoutCallback(Callback):
         )
         step = self._build_step(setting, sharded)
         batch.update(self._batch_fields(step, sharded))
-        self.last_step = step
         set_active_step(step)
         return step, sharded
 
@@ -223,6 +222,7 @@ class ContextParallelLayoutCallback(Callback):
         self._hook_handles.clear()
         selected = select_layers(pl_module, self.zigzag_layers, self.contiguous_layers)
         self.wrapped_layers = [wrapped for _, wrapped in selected]
+        self._manager = self._attention_manager = None
         for layer_index, (module, wrapped) in enumerate(selected):
             self._hook_handles.append(
                 module.register_forward_pre_hook(self._pre_hook(layer_index, wrapped.layout), with_kwargs=True)

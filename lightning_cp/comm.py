@@ -135,7 +135,7 @@ class RingTransfer:
 
     def __init__(self, works: list, sent: torch.Tensor, received: torch.Tensor) -> None:
         self._works = works
-        self._sent = sent
+        self._sent = sent  # the send buffer must outlive the asynchronous send
         self._received = received
 
     def wait(self) -> torch.Tensor:

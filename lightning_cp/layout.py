@@ -429,15 +429,31 @@ def build_thd_cp_layout_plan(
     """
     context = _get_layout_parallel_context(cp_group, sequence_parallel, tp_group, tp_cp_group)
     _check_cu_seqlens_structure(cu_seqlens, cu_seqlens_padded)
+    actual, padded = _offsets_on_host(cu_seqlens, cu_seqlens_padded)
+    return _build_thd_plan_from_host_offsets(actual, padded, total_tokens, context, cu_seqlens.device)
+
+
+def _offsets_on_host(*offsets: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Copy checked int32 offset tensors to the host in one transfer, the one host synchronisation of a batch."""
+    present = [tensor for tensor in offsets if tensor is not None]
+    if all(tensor.device.type == "cpu" for tensor in present):
+        return list(offsets)
+    host = iter(torch.cat(present).cpu().split([tensor.numel() for tensor in present]))
+    return [None if tensor is None else next(host) for tensor in offsets]
+
+
+def _build_thd_plan_from_host_offsets(
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None,
+    total_tokens: int,
+    context: _LayoutParallelContext,
+    device: torch.device,
+) -> THDCPLayoutPlan:
+    """Build this rank's THD plan from host offsets and move its index tensors to ``device``."""
     if isinstance(total_tokens, bool) or not isinstance(total_tokens, int):
         raise ValueError(f"total_tokens must be an int, got {total_tokens!r}")
-    host = torch.device("cpu")
-    if cu_seqlens_padded is None:
-        actual, padded = cu_seqlens.to(host), None
-    else:
-        actual, padded = torch.cat([cu_seqlens, cu_seqlens_padded]).to(host).split(cu_seqlens.numel())
     rank_order_indices, zigzag_offsets = _build_thd_rank_order_indices(
-        actual, padded, context.cp_size, context.tp_size, expected_source_token_count=total_tokens
+        cu_seqlens, cu_seqlens_padded, context.cp_size, context.tp_size, expected_source_token_count=total_tokens
     )
     plan = _build_thd_cp_layout_plan_from_rank_order_indices(
         rank_order_indices,
@@ -445,9 +461,9 @@ def build_thd_cp_layout_plan(
         zigzag_offsets,
         *_plan_coordinates(context),
         group_rank_by_logical_rank=context.group_rank_by_logical_rank,
-        pad_between_seqs=not torch.equal(zigzag_offsets, actual),
+        pad_between_seqs=not torch.equal(zigzag_offsets, cu_seqlens),
     )
-    return plan.to(cu_seqlens.device)
+    return plan.to(device)
 
 
 def contiguous_to_zigzag(
@@ -621,24 +637,28 @@ class ContextParallelLayoutManager:
         cu_seqlens = packed_seq_params.cu_seqlens_q
         if cu_seqlens is None:
             raise ValueError("packed_seq_params.cu_seqlens_q is None; packed layout conversion needs it")
+        padded = packed_seq_params.cu_seqlens_q_padded
+        _check_cu_seqlens_structure(cu_seqlens, padded)
         cu_seqlens_kv = packed_seq_params.cu_seqlens_kv
-        if cu_seqlens_kv is not None and cu_seqlens_kv is not cu_seqlens and not torch.equal(cu_seqlens_kv, cu_seqlens):
+        separate_kv = cu_seqlens_kv is not None and cu_seqlens_kv is not cu_seqlens
+        if separate_kv and (
+            not isinstance(cu_seqlens_kv, torch.Tensor)
+            or (cu_seqlens_kv.shape, cu_seqlens_kv.dtype, cu_seqlens_kv.device)
+            != (cu_seqlens.shape, cu_seqlens.dtype, cu_seqlens.device)
+        ):
             raise ValueError(
                 "packed_seq_params.cu_seqlens_kv differs from cu_seqlens_q; expected self-attention offsets"
             )
-        padded = packed_seq_params.cu_seqlens_q_padded
+        actual, padded_host, kv_host = _offsets_on_host(cu_seqlens, padded, cu_seqlens_kv if separate_kv else None)
+        if separate_kv and not torch.equal(kv_host, actual):
+            raise ValueError(
+                "packed_seq_params.cu_seqlens_kv differs from cu_seqlens_q; expected self-attention offsets"
+            )
         total_tokens = packed_seq_params.total_tokens
         if total_tokens is None:
-            total_tokens = int((cu_seqlens if padded is None else padded)[-1])
-        plan = build_thd_cp_layout_plan(
-            cu_seqlens,
-            total_tokens,
-            self.cp_group,
-            cu_seqlens_padded=padded,
-            sequence_parallel=self.sequence_parallel,
-            tp_group=self.tp_group,
-            tp_cp_group=self.tp_cp_group,
-        )
+            total_tokens = int((actual if padded_host is None else padded_host)[-1])
+        context = _get_layout_parallel_context(self.cp_group, self.sequence_parallel, self.tp_group, self.tp_cp_group)
+        plan = _build_thd_plan_from_host_offsets(actual, padded_host, total_tokens, context, cu_seqlens.device)
         zigzag_params = dataclasses.replace(
             packed_seq_params,
             qkv_format="thd",
@@ -710,6 +730,6 @@ class ContextParallelLayoutState:
     ) -> torch.Tensor:
         """Convert another per-token tensor of this batch (ids, labels, masks; any dtype) between layouts."""
         source_layout, target_layout = _as_layout(source_layout), _as_layout(target_layout)
-        if source_layout is target_layout or not self.manager.requires_conversion:
+        if source_layout is target_layout or comm.group_size(self.manager.cp_group) == 1:
             return tensor
         return self.manager._convert_cp_layout(tensor, source_layout, target_layout, self.thd_plan)

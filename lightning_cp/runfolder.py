@@ -14,6 +14,8 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_cp.config import ConfigError
+
 RUN_DIR_ENV = "LIGHTNING_CP_RUN_DIR"
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.csv"
@@ -30,11 +32,21 @@ def latest_run(root: Path) -> Path | None:
     return max(runs, key=lambda p: (p / CHECKPOINT_DIR / LAST_CHECKPOINT).stat().st_mtime) if runs else None
 
 
+def default_run_name() -> str:
+    """Name a fresh run: the job id under SLURM or torchrun (every process must agree), else the start time."""
+    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if job != "none":
+        return f"job-{job}"
+    if "LOCAL_RANK" in os.environ:
+        raise ConfigError("set run.name when an external launcher starts the processes (they must share one folder)")
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
 def resolve_run_dir(cfg: DictConfig) -> Path:
     """Return the run folder and pin it in the environment so ranks started later by Lightning agree on it.
 
-    ``run.name`` names the folder under ``run.root``; without one a fresh run is named by its start time and a run
-    resumed with ``checkpoint.resume_from=last`` continues the latest run under the root.
+    ``run.name`` names the folder under ``run.root``; without one a fresh run is named by its start time (or job id)
+    and a run resumed with ``checkpoint.resume_from=last`` continues the latest run under the root.
     """
     pinned = os.environ.get(RUN_DIR_ENV)
     if pinned:
@@ -45,7 +57,7 @@ def resolve_run_dir(cfg: DictConfig) -> Path:
     elif cfg.checkpoint.resume_from == "last" and (latest := latest_run(root)) is not None:
         run_dir = latest
     else:
-        run_dir = root / time.strftime("%Y%m%d-%H%M%S")
+        run_dir = root / default_run_name()
     os.environ[RUN_DIR_ENV] = str(run_dir.resolve())
     return run_dir.resolve()
 

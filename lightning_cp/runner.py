@@ -13,7 +13,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_cp import runfolder
 from lightning_cp.callback import ContextParallelLayoutCallback
+from lightning_cp.config import ConfigError
 from lightning_cp.data import PackedTextDataModule
+from lightning_cp.data.sources import EMBEDDED
 from lightning_cp.models import LlamaLM
 from lightning_cp.strategy import CPZigzagStrategy
 
@@ -41,8 +43,7 @@ def build_model(cfg: DictConfig) -> LlamaLM:
     optim["betas"] = tuple(optim["betas"])
     model = LlamaLM(**OmegaConf.to_container(cfg.model), **optim)
     if cfg.checkpoint.init_from:
-        state = torch.load(cfg.checkpoint.init_from, map_location="cpu", weights_only=False)
-        model.load_state_dict(state.get("state_dict", state))
+        model.load_state_dict(load_checkpoint_meta(cfg.checkpoint.init_from)["state_dict"])
     return model
 
 
@@ -75,16 +76,47 @@ def build_trainer(cfg: DictConfig, run_dir: Path, *, log: bool = True) -> pl.Tra
     )
 
 
+def load_checkpoint_meta(path: str) -> dict[str, Any]:
+    """Return a Lightning checkpoint's contents, memory-mapped so only what is read is loaded."""
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+
+
+def check_checkpoint_fits(cfg: DictConfig, path: str, key: str) -> dict[str, Any]:
+    """Return the checkpoint; raise ``ConfigError`` naming each ``model.*`` value that differs from its own."""
+    checkpoint = load_checkpoint_meta(path)
+    saved = checkpoint.get("hyper_parameters", {})
+    differing = [
+        f"model.{name} is {saved[name]!r} in the checkpoint but {value!r} in the config"
+        for name, value in OmegaConf.to_container(cfg.model).items()
+        if name in saved and saved[name] != value and name != "activation_checkpointing"
+    ]
+    if differing:
+        raise ConfigError(f"{key}={path} does not fit the model: " + "; ".join(differing))
+    return checkpoint
+
+
+def check_data_sources(cfg: DictConfig) -> None:
+    """Raise ``ConfigError`` for a data source path that does not exist."""
+    for key in ("sources", "val_sources"):
+        for source in cfg.data[key] or []:
+            if source != EMBEDDED and not Path(source).expanduser().exists():
+                raise ConfigError(f"data.{key}: {source} does not exist (use files, folders, .jsonl or {EMBEDDED})")
+
+
 def prepare_run(cfg: DictConfig) -> tuple[Path, str | None]:
-    """Resolve the run folder and the checkpoint to resume; on rank 0 save the config and trim stale metrics."""
+    """Resolve the run folder and checkpoints and check them; on rank 0 save the config and trim stale metrics."""
+    check_data_sources(cfg)
     run_dir = runfolder.resolve_run_dir(cfg)
     resume = runfolder.resolve_checkpoint(cfg.checkpoint.resume_from, run_dir)
     cfg.checkpoint.init_from = runfolder.resolve_checkpoint(cfg.checkpoint.init_from, run_dir)
+    if cfg.checkpoint.init_from:
+        check_checkpoint_fits(cfg, cfg.checkpoint.init_from, "checkpoint.init_from")
+    if resume is not None:
+        step = check_checkpoint_fits(cfg, resume, "checkpoint.resume_from")["global_step"]
+        if rank_zero_only.rank == 0:
+            runfolder.truncate_metrics(run_dir / runfolder.METRICS_FILE, step)
     if rank_zero_only.rank == 0:
         runfolder.save_config(cfg, run_dir)
-        if resume is not None:
-            step = torch.load(resume, map_location="cpu", weights_only=False)["global_step"]
-            runfolder.truncate_metrics(run_dir / runfolder.METRICS_FILE, step)
     return run_dir, resume
 
 
@@ -106,10 +138,12 @@ def fit(cfg: DictConfig) -> Path:
 
 def validate(cfg: DictConfig) -> float:
     """Return the validation loss of the checkpoint named by ``resume_from`` or ``init_from``."""
+    check_data_sources(cfg)
     run_dir = runfolder.resolve_run_dir(cfg)
     ckpt = runfolder.resolve_checkpoint(cfg.checkpoint.resume_from or cfg.checkpoint.init_from, run_dir)
     if ckpt is None:
-        raise FileNotFoundError("validate needs checkpoint.init_from=PATH (or checkpoint.resume_from=last)")
+        raise ConfigError("validate needs checkpoint.init_from=PATH (or checkpoint.resume_from=last)")
+    check_checkpoint_fits(cfg, ckpt, "checkpoint")
     cfg.checkpoint.init_from, cfg.checkpoint.resume_from = ckpt, None
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     trainer = build_trainer(cfg, run_dir, log=False)

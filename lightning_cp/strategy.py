@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import MutableMapping
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -108,6 +110,11 @@ class CPZigzagStrategy(DDPStrategy):
         """Split data over the data-parallel replicas only."""
         return {"num_replicas": self.cp_mesh.dims.data_parallel, "rank": self.cp_mesh.dp_rank}
 
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Move the batch and copy a dict batch, so the callback's in-place sharding never touches the dataset's."""
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        return copy.copy(batch) if isinstance(batch, MutableMapping) else batch
+
     def connect(self, model: pl.LightningModule) -> None:
         """Attach the model and add a default ``ContextParallelLayoutCallback`` unless the trainer has one."""
         super().connect(model)
@@ -116,7 +123,7 @@ class CPZigzagStrategy(DDPStrategy):
             trainer.callbacks.append(ContextParallelLayoutCallback())
 
     def setup_environment(self) -> None:
-        """Check the sizes against the world size, start the processes' group and build the mesh."""
+        """Check the sizes against the world size, start the process group, build the mesh and wait for all ranks."""
         context_parallel_size = self.context_parallel_size or self.num_processes
         dims = resolve_parallel_dims(
             self.num_nodes * self.num_processes,
@@ -127,6 +134,7 @@ class CPZigzagStrategy(DDPStrategy):
         )
         super().setup_environment()
         self._cp_mesh = build_context_parallel_mesh(self.root_device.type, dims)
+        self.barrier("cp_zigzag mesh built")
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._cp_mesh.device_mesh
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_cp import attention
+from lightning_cp import attention_kernels as kernels
 from lightning_cp.attention import zigzag_attention
 from lightning_cp.packed import PackedSeqParams
 from tests.distributed_harness import run_on_ranks
@@ -103,9 +104,11 @@ def check_case(case: Case, cp: int, rank: int, group, seed: int) -> list[str]:
     expected.backward(dout)
     index = torch.tensor(zigzag_index(lengths, cp, rank))
     valid = index >= 0
-    local = [_shard(x, index, case).to(case.dtype).requires_grad_() for x in (q, k, v)]
-    local_dout = _shard(dout, index, case).to(case.dtype)
-    local_dout[~valid] = 1.0  # padding slots get a nonzero upstream gradient that must not leak anywhere
+    local = [_shard(x, index, case) for x in (q, k, v, dout)]
+    for x in local:
+        x[~valid] = 3.0  # padding should arrive as zeros; garbage there must not leak anywhere either
+    *local, local_dout = (x.to(case.dtype) for x in local)
+    local = [x.requires_grad_() for x in local]
     out = _attend(case, local, group, lengths, cp, rank)
     out.backward(local_dout)
     names = ("out", "dq", "dk", "dv")
@@ -199,6 +202,23 @@ def test_matches_single_device_reference(cp):
     assert not failures, "\n".join(failures)
 
 
+def _check_cases_on_strided_subgroups(cases: list[Case]) -> list[str]:
+    """Rank body on 4 ranks: CP groups {0, 2} and {1, 3}, so group ranks differ from global ranks."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    group = groups[dist.get_rank() % 2]
+    failures = []
+    for seed, case in enumerate(cases):
+        failures += check_case(case, 2, dist.get_rank(group), group, seed)
+    return failures
+
+
+def test_cp_subgroups_of_a_larger_world():
+    cases = [case for case in all_cases() if case.dtype == torch.float64 and case.backend == "cpu_flash"]
+    outcomes = run_on_ranks(_check_cases_on_strided_subgroups, 4, cases, timeout=240)
+    failures = [failure for rank_failures in outcomes for failure in rank_failures]
+    assert not failures, "\n".join(failures)
+
+
 def test_without_group_is_local_attention_with_document_masks():
     failures = []
     for seed, case in enumerate(all_cases()):
@@ -236,9 +256,9 @@ def test_backend_choice_is_logged_once(caplog):
 def test_blocks_cut_into_document_groups_give_the_same_results(cp, group_rows, monkeypatch):
     lengths = case_lengths(Case(True, True, "ring", "math", (2, 2)), cp, seed=0)
     tokens = [attention.zigzag_tokens(lengths, attention.padded_lengths(lengths, cp), cp, src) for src in range(cp)]
-    whole = attention.build_block_plan(tokens, 0, False, torch.device("cpu"))
-    monkeypatch.setattr(attention, "_MIN_GROUP_ROWS", group_rows)
-    split = attention.build_block_plan(tokens, 0, False, torch.device("cpu"))
+    whole = kernels.build_block_plan(tokens, 0, False, torch.device("cpu"))
+    monkeypatch.setattr(kernels, "_MIN_GROUP_ROWS", group_rows)
+    split = kernels.build_block_plan(tokens, 0, False, torch.device("cpu"))
     assert sum(map(len, split.blocks)) > sum(map(len, whole.blocks))
     outcomes = run_on_ranks(_check_all_cases, cp, all_cases(), timeout=240)
     failures = [failure for rank_failures in outcomes for failure in rank_failures]
@@ -257,7 +277,7 @@ def test_contiguous_sharding_through_the_same_blocks_matches_reference(backend):
     kv_all = torch.stack([torch.stack([_contiguous_internal(x, rank, per_rank) for x in (k, v)]) for rank in range(cp)])
     outs = []
     for rank in range(cp):
-        plan = attention.build_block_plan(tokens, rank, True, torch.device("cpu"))
+        plan = kernels.build_block_plan(tokens, rank, True, torch.device("cpu"))
         q_local = _contiguous_internal(q, rank, per_rank)
         outs.append(attention._GatheredAttention.apply(q_local, kv_all, plan, attention._KERNELS[backend], 8**-0.5))
     got = torch.cat(outs, dim=2)[0].permute(1, 0, 2)[: sum(lengths)]
@@ -276,9 +296,9 @@ def _contiguous_internal(x: torch.Tensor, rank: int, per_rank: int) -> torch.Ten
 
 def test_single_document_block_masks_interleaved_positions():
     rows, cols = slice(0, 3), slice(0, 3)
-    block = attention._single_document_block(rows, cols, torch.tensor([2, 3, 4]), torch.tensor([3, 4, 5]), True)
+    block = kernels._single_document_block(rows, cols, torch.tensor([2, 3, 4]), torch.tensor([3, 4, 5]), True)
     assert block.mask.tolist() == [[False, False, False], [True, False, False], [True, True, False]]
-    assert attention._single_document_block(rows, cols, torch.tensor([0, 1]), torch.tensor([2, 3]), True) is None
-    diagonal = attention._single_document_block(rows, cols, torch.tensor([4, 5, 6]), torch.tensor([4, 5, 6]), True)
+    assert kernels._single_document_block(rows, cols, torch.tensor([0, 1]), torch.tensor([2, 3]), True) is None
+    diagonal = kernels._single_document_block(rows, cols, torch.tensor([4, 5, 6]), torch.tensor([4, 5, 6]), True)
     assert diagonal.causal and diagonal.mask is None
-    assert attention._single_document_block(rows, cols, torch.tensor([0]), torch.tensor([5]), False).mask is None
+    assert kernels._single_document_block(rows, cols, torch.tensor([0]), torch.tensor([5]), False).mask is None

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_cp import attention
+from lightning_cp import attention_kernels as kernels
 from lightning_cp.attention import attention_work_per_rank, zigzag_attention
 from lightning_cp.packed import PackedSeqParams
 from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
@@ -80,11 +81,11 @@ def _work_matches_actual_run() -> list[int]:
     lengths = [1, 3, 17, 6, 30]
     padded = attention.padded_lengths(lengths, 3)
     tokens = [attention.zigzag_tokens(lengths, padded, 3, src) for src in range(3)]
-    plan = attention.build_block_plan(tokens, dist.get_rank(), True, torch.device("cpu"))
+    plan = kernels.build_block_plan(tokens, dist.get_rank(), True, torch.device("cpu"))
     return sum(_pairs(block) for blocks in plan.blocks for block in blocks)
 
 
-def _pairs(block: attention.Block) -> int:
+def _pairs(block: kernels.Block) -> int:
     """Visible pairs of one block."""
     rows, cols = block.rows.stop - block.rows.start, block.cols.stop - block.cols.start
     if block.causal:
@@ -133,7 +134,7 @@ def test_dense_causal_plan_skips_empty_blocks():
     cp = 4
     tokens = [attention.zigzag_tokens([8 * cp], [8 * cp], cp, src) for src in range(cp)]
     for rank in range(cp):
-        plan = attention.build_block_plan(tokens, rank, True, torch.device("cpu"))
+        plan = kernels.build_block_plan(tokens, rank, True, torch.device("cpu"))
         counts = [len(blocks) for blocks in plan.blocks]
         assert counts == [3 if src == rank else 2 for src in range(cp)]
         blocks = [(src, block) for src, source_blocks in enumerate(plan.blocks) for block in source_blocks]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_cp.runfolder import loss_series, read_metrics
+from lightning_cp.runfolder import RUN_DIR_ENV, loss_series, read_metrics
 
 SCRIPT = str(Path(sys.executable).parent / "lightning-cp")
 SHORT = [
@@ -30,7 +30,9 @@ TIMEOUT = 240
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env.pop(RUN_DIR_ENV, None)
+    return env
 
 
 def _run(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
@@ -85,6 +87,21 @@ def test_fine_tuning_starts_from_the_checkpoint_weights(full_run: Path) -> None:
     (steps, _), (val_steps, val) = _losses(root / "ft")
     assert steps == [0, 1] and val_steps[0] == 0
     _assert_same([val[0]], [_losses(full_run)[1][1][-1]], rel=1e-6)
+
+
+def test_checkpoint_or_data_that_does_not_fit_is_a_clear_error(full_run: Path, tmp_path: Path) -> None:
+    ckpt = full_run / "checkpoints" / "last.ckpt"
+    cases = [
+        ([*SHORT, "model.hidden_size=32", f"checkpoint.init_from={ckpt}"], "model.hidden_size is 64 in the checkpoint"),
+        (["data.sources=[/no/such/corpus.jsonl]"], "data.sources: /no/such/corpus.jsonl does not exist"),
+        ([f"run.root={tmp_path}", "run.name=none", "checkpoint.resume_from=last"], "checkpoint"),
+    ]
+    for overrides, message in cases:
+        result = _run("fit", *overrides)
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr and message in result.stderr
+        assert result.stderr.count("\n") == 1
+    assert not (tmp_path / "none").exists()
 
 
 def test_hybrid_policy_config_runs_with_one_conversion_per_layout_change(tmp_path: Path) -> None:

@@ -15,7 +15,13 @@ from torch.utils.data import DataLoader
 from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy
 from lightning_cp.layout import CPLayout
 from tests.distributed_harness import run_on_ranks
-from tests.test_strategy_models import TinyTransformer, dense_batches, packed_batches, reference_run
+from tests.test_strategy_models import (
+    TinyTransformer,
+    dense_batches,
+    packed_batches,
+    reference_run,
+    reference_targets,
+)
 
 # Forked ranks must not inherit a started OpenMP pool, so this process computes single-threaded.
 torch.set_num_threads(1)
@@ -32,6 +38,7 @@ TRAINER_OPTIONS = {
 ATTENTION = ("attention", "attention")
 HYBRID = ("attention", "attention", "recurrent", "recurrent", "attention")
 POLICY = {"zigzag_layers": ["*AttentionBlock"], "contiguous_layers": ["blocks.2", "blocks.3"]}
+UNWRAPPED = {"zigzag_layers": [], "contiguous_layers": []}
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,7 @@ class FitRun:
     batch_kind: str
     strategy: dict[str, Any] = field(default_factory=dict)
     checkpoint_blocks: bool = False
+    policy: dict[str, list[str]] = field(default_factory=lambda: POLICY)
 
     @property
     def batches(self) -> list[dict[str, torch.Tensor]]:
@@ -56,7 +64,7 @@ def fit_on_rank(world_size: int, runs: list[FitRun]) -> list[dict[str, Any]]:
     for run in runs:
         os.environ["WORLD_SIZE"] = str(world_size)  # Lightning's teardown removes it
         model = TinyTransformer(run.kinds, checkpoint_blocks=run.checkpoint_blocks)
-        callback = ContextParallelLayoutCallback(**POLICY)
+        callback = ContextParallelLayoutCallback(**run.policy)
         trainer = pl.Trainer(
             devices=world_size,
             strategy=CPZigzagStrategy(**run.strategy),
@@ -71,8 +79,8 @@ def fit_on_rank(world_size: int, runs: list[FitRun]) -> list[dict[str, Any]]:
                 "losses": model.train_losses,
                 "indices": model.batch_indices,
                 "weights": {name: tensor.numpy().copy() for name, tensor in model.state_dict().items()},
-                "layouts": model.seen_layouts[: len(run.kinds)],
-                "conversions": callback.last_step.layer_conversion_count,
+                "layouts": model.seen_layouts,
+                "conversions": model.forward_conversions,
                 "dp_rank": mesh.dp_rank,
                 "cp_rank": mesh.cp_rank,
             }
@@ -86,6 +94,8 @@ WORLD_2_RUNS = [
     FitRun("cp2-packed-allgather", ATTENTION, "packed", {"context_parallel_size": 2}),
     FitRun("cp2-packed-ring", ATTENTION, "packed", {"context_parallel_size": 2, "attention_mode": "ring"}),
     FitRun("cp2-packed-zigzag-boundary", ATTENTION, "packed", {"boundary_layout": "zigzag"}),
+    FitRun("cp2-packed-unwrapped", ATTENTION, "packed", {}, policy=UNWRAPPED),
+    FitRun("cp2-dense-unwrapped-zigzag-boundary", ATTENTION, "dense", {"boundary_layout": "zigzag"}, policy=UNWRAPPED),
     FitRun("cp2-hybrid-dense", HYBRID, "dense", {}),
     FitRun("cp2-hybrid-packed-ring", HYBRID, "packed", {"attention_mode": "ring"}),
     FitRun("cp2-hybrid-packed-zigzag-boundary", HYBRID, "packed", {"boundary_layout": "zigzag"}),
@@ -111,6 +121,27 @@ def launch(world_size: int) -> list[list[dict[str, Any]]]:
     """Fork ``world_size`` ranks once and run all fits of that world size; indexed ``[rank][run]``."""
     runs = WORLD_2_RUNS if world_size == 2 else WORLD_4_RUNS
     return run_on_ranks(fit_on_rank, world_size, world_size, runs, init_process_group=False, timeout=240)
+
+
+def expected_positions(batch: dict[str, torch.Tensor], cp: int, cp_rank: int, layout: str) -> list[int]:
+    """Return the first row's position ids a block on ``cp_rank`` sees in ``layout``, derived from the raw batch."""
+    length = batch["input_ids"].shape[1]
+    packed = "cu_seqlens" in batch
+    padded = -(-length // (cp if packed else 2 * cp)) * (cp if packed else 2 * cp)
+    _, positions, _ = reference_targets(batch)
+    positions = positions[0].tolist() + [0] * (padded - length)
+    if layout == "contiguous":
+        return positions[cp_rank * padded // cp : (cp_rank + 1) * padded // cp]
+    offsets = batch["cu_seqlens"].tolist() if packed else [0, length]
+    offsets[-1] = padded
+    seen = []
+    for start, end in zip(offsets[:-1], offsets[1:], strict=True):
+        document = positions[start:end]
+        chunk = -(-len(document) // (2 * cp))
+        document += [0] * (2 * cp * chunk - len(document))
+        front, back = cp_rank * chunk, (2 * cp - 1 - cp_rank) * chunk
+        seen += document[front : front + chunk] + document[back : back + chunk]
+    return seen
 
 
 def expected_layouts(kinds: tuple[str, ...]) -> list[tuple[str, str]]:
@@ -160,12 +191,16 @@ def test_training_matches_one_process(name: str) -> None:
 
 @pytest.mark.parametrize("name", [name for name, (_, run) in RUNS.items() if run.kinds == HYBRID])
 def test_each_block_sees_its_layout_and_conversions_match_layout_changes(name: str) -> None:
-    """Attention blocks run in zigzag, recurrent ones in contiguous; one conversion per layout change."""
+    """Attention blocks get zigzag input, recurrent ones contiguous (checked on the converted position ids); each
+    forward converts once per layout change."""
     world_size, run = RUNS[name]
     index = (WORLD_2_RUNS if world_size == 2 else WORLD_4_RUNS).index(run)
     boundary = run.strategy.get("boundary_layout", CPLayout.CONTIGUOUS.value)
-    recomputed = 2 if run.checkpoint_blocks else 1
+    cp = run.strategy.get("context_parallel_size", world_size)
     for rank_results in launch(world_size):
         result = rank_results[index]
-        assert result["layouts"] == expected_layouts(run.kinds)
-        assert result["conversions"] == recomputed * layout_changes(run.kinds, boundary)
+        assert [(name, layout) for name, layout, _ in result["layouts"]] == expected_layouts(run.kinds)
+        first_batch = run.batches[result["indices"][0]]
+        for _, layout, positions in result["layouts"]:
+            assert positions == expected_positions(first_batch, cp, result["cp_rank"], layout)
+        assert result["conversions"] == [layout_changes(run.kinds, boundary)] * STEPS

@@ -49,7 +49,7 @@ class AttentionBlock(nn.Module):
 
     def forward(self, h: torch.Tensor, *, position_ids: torch.Tensor) -> torch.Tensor:
         """Return ``h`` plus attention and MLP updates."""
-        self.owner[0].record_layout(self)
+        self.owner[0].record_layout(self, position_ids)
         batch, seq, _ = h.shape
         q, k, v = self.qkv(self.norm(h)).view(batch, seq, 3, HEADS, HIDDEN // HEADS).unbind(2)
         q, k = rotary(q, position_ids), rotary(k, position_ids)
@@ -67,7 +67,7 @@ class RecurrentBlock(nn.Module):
 
     def forward(self, h: torch.Tensor, *, position_ids: torch.Tensor) -> torch.Tensor:
         """Return ``h + tanh(mix(previous token))`` where the previous token is in the same document."""
-        self.owner[0].record_layout(self)
+        self.owner[0].record_layout(self, position_ids)
         previous = torch.cat([previous_rank_last_token(h), h[:, :-1]], dim=1)
         same_document = (position_ids > 0).unsqueeze(-1).to(h.dtype)
         return h + torch.tanh(self.mix(previous)) * same_document
@@ -90,7 +90,7 @@ def previous_rank_last_token(h: torch.Tensor) -> torch.Tensor:
 
 
 class TinyTransformer(pl.LightningModule):
-    """Embedding, blocks named by ``kinds`` (``"attention"`` or ``"recurrent"``), a head; SGD on ``cp_cross_entropy``."""
+    """Embedding, blocks by ``kinds`` (``"attention"``/``"recurrent"``), a head; SGD on ``cp_cross_entropy``."""
 
     def __init__(self, kinds: Sequence[str] = ("attention", "attention"), checkpoint_blocks: bool = False) -> None:
         super().__init__()
@@ -104,14 +104,15 @@ class TinyTransformer(pl.LightningModule):
         self.attention_fn: AttentionFn = cp_attention
         self.train_losses: list[float] = []
         self.val_losses: list[float] = []
-        self.seen_layouts: list[tuple[str, str]] = []
+        self.seen_layouts: list[tuple[str, str, list[int]]] = []
         self.batch_indices: list[int] = []
+        self.forward_conversions: list[int] = []
 
-    def record_layout(self, block: nn.Module) -> None:
-        """Remember the layout ``block`` runs in under the active step."""
+    def record_layout(self, block: nn.Module, position_ids: torch.Tensor) -> None:
+        """Remember, for the first forward, the layout ``block`` runs in and the positions of its first row."""
         step = active_step()
-        if step is not None:
-            self.seen_layouts.append((type(block).__name__, step.current_layout.value))
+        if step is not None and len(self.seen_layouts) < len(self.blocks):
+            self.seen_layouts.append((type(block).__name__, step.current_layout.value, position_ids[0].tolist()))
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Return logits ``[B, S, VOCAB]``."""
@@ -132,6 +133,8 @@ class TinyTransformer(pl.LightningModule):
         result = self._loss(batch)
         self.train_losses.append(result.mean.item())
         self.batch_indices.append(int(batch["index"]))
+        step = active_step()
+        self.forward_conversions.append(step.layer_conversion_count if step is not None else 0)
         return result.loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:

@@ -1,0 +1,73 @@
+"""``cp_cross_entropy``: the CP-averaged gradient is the single-device gradient of the replica's mean loss."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_cp import cp_cross_entropy
+from lightning_cp.context import ContextParallelStep, activated
+from lightning_cp.mesh import ParallelDims, build_context_parallel_mesh
+from tests.distributed_harness import run_on_ranks
+
+torch.set_num_threads(1)
+
+TOKENS, FEATURES, VOCAB = 12, 5, 7
+
+
+def problem() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return features, a shared weight and labels with ignored targets, in float64."""
+    generator = torch.Generator().manual_seed(3)
+    features = torch.randn(1, TOKENS, FEATURES, generator=generator, dtype=torch.float64)
+    weight = torch.randn(FEATURES, VOCAB, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, VOCAB, (1, TOKENS), generator=generator)
+    labels[0, [2, 7, 11]] = -100
+    return features, weight, labels
+
+
+def test_without_cp_it_is_the_mean_over_valid_tokens() -> None:
+    """No active step: ``loss`` and ``mean`` are plain mean cross-entropy over the valid targets."""
+    features, weight, labels = problem()
+    logits = features @ weight
+    result = cp_cross_entropy(logits, labels, int((labels != -100).sum()))
+    expected = F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1), ignore_index=-100)
+    assert torch.allclose(result.loss, expected, rtol=1e-12, atol=0)
+    assert result.mean.item() == result.loss.item()
+    assert not result.mean.requires_grad
+
+
+def test_an_all_ignored_batch_gives_zero_not_nan() -> None:
+    """Zero valid targets: the loss is 0 and finite."""
+    logits = torch.randn(1, 3, VOCAB, dtype=torch.float64)
+    result = cp_cross_entropy(logits, torch.full((1, 3), -100), 0)
+    assert result.loss.item() == 0.0
+
+
+def shard_gradient(cp_size: int) -> tuple[float, float, np.ndarray]:
+    """Compute this rank's loss on its contiguous shard under an active CP step; return mean, loss and weight grad."""
+    mesh = build_context_parallel_mesh("cpu", ParallelDims(1, cp_size, 1))
+    features, weight, labels = problem()
+    weight.requires_grad_(True)
+    shard = slice(mesh.cp_rank * TOKENS // cp_size, (mesh.cp_rank + 1) * TOKENS // cp_size)
+    step = ContextParallelStep(cp_size=cp_size, cp_group=mesh.cp_group)
+    with activated(step):
+        result = cp_cross_entropy(features[:, shard] @ weight, labels[:, shard], int((labels != -100).sum()))
+    result.loss.backward()
+    dist.barrier()  # no rank may leave (and stop rank 0's store) while another still builds its groups
+    return result.mean.item(), result.loss.item(), weight.grad.numpy().copy()
+
+
+def test_cp_average_of_shard_gradients_is_the_single_device_gradient() -> None:
+    """Averaging the ranks' gradients (what DDP over DP x CP does) reproduces the single-device gradient."""
+    features, weight, labels = problem()
+    weight.requires_grad_(True)
+    expected_loss = F.cross_entropy((features @ weight).view(-1, VOCAB), labels.view(-1), ignore_index=-100)
+    expected_loss.backward()
+    for cp_size in (2, 3):
+        results = run_on_ranks(shard_gradient, cp_size, cp_size)
+        assert all(abs(mean - expected_loss.item()) <= 1e-12 * expected_loss.item() for mean, _, _ in results)
+        assert abs(sum(loss for _, loss, _ in results) / cp_size - expected_loss.item()) <= 1e-12
+        averaged = sum(torch.from_numpy(gradient) for _, _, gradient in results) / cp_size
+        assert torch.allclose(averaged, weight.grad, rtol=1e-12, atol=1e-15)

@@ -1,0 +1,114 @@
+"""Checkpoints written under ``cp_zigzag`` load at any cp and under plain Lightning; evaluation syncs over DP x CP."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy
+from tests.distributed_harness import run_on_ranks
+from tests.test_strategy import ATTENTION, HYBRID, POLICY, TRAINER_OPTIONS
+from tests.test_strategy_models import TinyTransformer, packed_batches
+
+torch.set_num_threads(1)
+
+
+def validation_batches() -> list[dict[str, torch.Tensor]]:
+    """Return two packed batches to validate on."""
+    return packed_batches(2)
+
+
+def train_and_save(world_size: int, path: str) -> list[float]:
+    """Fit two steps at cp=world_size, save a checkpoint and return the validation losses of the saved weights."""
+    model = TinyTransformer(HYBRID)
+    trainer = pl.Trainer(
+        devices=world_size,
+        strategy=CPZigzagStrategy(),
+        callbacks=[ContextParallelLayoutCallback(**POLICY)],
+        max_steps=2,
+        **TRAINER_OPTIONS,
+    )
+    trainer.fit(model, DataLoader(packed_batches(4), batch_size=None))
+    trainer.save_checkpoint(path)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    trainer.validate(model, DataLoader(validation_batches(), batch_size=None), verbose=False)
+    return model.val_losses
+
+
+def validate_checkpoint(world_size: int, path: str, strategy: str) -> list[float]:
+    """Load the checkpoint into a fresh model under ``strategy`` and return its validation losses.
+
+    ``cp_zigzag`` adds its default callback, whose default policy also fits the hybrid model.
+    """
+    model = TinyTransformer(HYBRID)
+    callbacks = [ContextParallelLayoutCallback(**POLICY)] if strategy == "auto" else []
+    trainer = pl.Trainer(devices=world_size, strategy=strategy, callbacks=callbacks, **TRAINER_OPTIONS)
+    trainer.validate(model, DataLoader(validation_batches(), batch_size=None), ckpt_path=path, verbose=False)
+    return model.val_losses
+
+
+def test_checkpoint_from_cp2_loads_at_cp1_cp4_and_plain_lightning(tmp_path: Path) -> None:
+    """The cp=2 checkpoint is one file of plain module state and gives the same validation loss everywhere."""
+    path = str(tmp_path / "cp2.ckpt")
+    saved_losses = run_on_ranks(train_and_save, 2, 2, path, init_process_group=False)
+    assert saved_losses[0] == saved_losses[1]
+    assert [entry.name for entry in tmp_path.iterdir()] == ["cp2.ckpt"]
+    checkpoint = torch.load(path, weights_only=False)
+    assert set(checkpoint["state_dict"]) == set(TinyTransformer(HYBRID).state_dict())
+    loaded = {
+        "plain Lightning, one device": run_on_ranks(validate_checkpoint, 1, 1, path, "auto", init_process_group=False),
+        "cp_zigzag cp=1": run_on_ranks(validate_checkpoint, 1, 1, path, "cp_zigzag", init_process_group=False),
+        "cp_zigzag cp=4": run_on_ranks(validate_checkpoint, 4, 4, path, "cp_zigzag", init_process_group=False),
+    }
+    expected = saved_losses[0]
+    assert len(expected) == 2
+    for where, per_rank in loaded.items():
+        for losses in per_rank:
+            assert len(losses) == len(expected), where
+            for actual, reference in zip(losses, expected, strict=True):
+                assert abs(actual - reference) <= 1e-9 * reference, f"{where}: {actual} != {reference}"
+
+
+class RankStampedModel(TinyTransformer):
+    """Stamps its head bias with the global rank in ``configure_model`` (as a TP shard would differ per rank)."""
+
+    def __init__(self) -> None:
+        super().__init__(ATTENTION)
+        self.mesh_seen: dict[str, Any] = {}
+        self.bias_at_validation: float | None = None
+
+    def configure_model(self) -> None:
+        """Record the mesh handed over by the strategy and stamp this rank's weights."""
+        mesh = self.device_mesh
+        self.mesh_seen = {"names": mesh.mesh_dim_names, "shape": tuple(mesh.shape)}
+        with torch.no_grad():
+            self.head.bias.fill_(float(self.global_rank))
+
+    def on_validation_start(self) -> None:
+        """Record the weights evaluation starts from."""
+        self.bias_at_validation = self.head.bias[0].item()
+
+
+def validate_rank_stamped(world_size: int) -> dict[str, Any]:
+    """Validate the stamped model at cp2 x tp2 and report the mesh and weights it saw."""
+    model = RankStampedModel()
+    trainer = pl.Trainer(
+        devices=world_size,
+        strategy=CPZigzagStrategy(context_parallel_size=2, tensor_parallel_size=2),
+        **TRAINER_OPTIONS,
+    )
+    trainer.validate(model, DataLoader(validation_batches(), batch_size=None), verbose=False)
+    return {"mesh": model.mesh_seen, "bias": model.bias_at_validation}
+
+
+def test_validate_syncs_weights_over_dp_x_cp_only_and_module_gets_the_mesh() -> None:
+    """cp2 x tp2 (TP fastest): ranks 0, 2 take rank 0's weights, ranks 1, 3 keep rank 1's; not rank 0's everywhere."""
+    results = run_on_ranks(validate_rank_stamped, 4, 4, init_process_group=False)
+    for result in results:
+        assert result["mesh"] == {"names": ("data_parallel", "context_parallel", "tensor_parallel"), "shape": (1, 2, 2)}
+    assert [result["bias"] for result in results] == [0.0, 1.0, 0.0, 1.0]
