@@ -50,22 +50,30 @@ class Settings:
     cp_sizes: tuple[int, ...]
     token_counts: tuple[int, ...]
     hidden_sizes: tuple[int, ...]
-    repetitions: int
+    quick: bool
     plan_token_counts: tuple[int, ...]
     plan_sequence_counts: tuple[int, ...]
     plan_cp_sizes: tuple[int, ...]
     dtype: torch.dtype
 
+    def repetitions(self, tokens: int) -> int:
+        """More repetitions for small, noisy shapes; few for the big ones whose naive all-gather takes seconds."""
+        if tokens <= 32768:
+            return 7 if self.quick else 15
+        return 3 if tokens > 131072 or self.quick else 5
+
 
 def _settings(quick: bool) -> Settings:
     """Full grid of issue 2 section 6, or a trimmed one for ``--quick``."""
     if quick:
-        return Settings((2, 4), (8192, 32768, 262144), (1024,), 3, (65536, 262144), (100, 2048), (2, 8), torch.bfloat16)
+        return Settings(
+            (2, 4), (8192, 32768, 131072), (1024,), True, (65536, 262144), (100, 2048), (2, 8), torch.bfloat16
+        )
     return Settings(
         (2, 4),
         (8192, 32768, 131072, 262144),
         (512, 1024),
-        5,
+        False,
         (65536, 262144, 1048576),
         (100, 2048, 20480),
         (2, 4, 8),
@@ -118,7 +126,9 @@ def _raw_pair(
 
 
 def _floor_candidates(rows: torch.Tensor, forward, reverse) -> dict[str, Callable[[], object]]:
-    """The fresh-output and preallocated raw all-to-all pairs."""
+    """The fresh-output and preallocated raw all-to-all pairs (sending as many rows as the plan sends)."""
+    sent = sum(forward[1])
+    rows = rows if rows.shape[0] == sent else torch.randn(sent, *rows.shape[1:]).to(rows.dtype)
     outputs = (rows.new_empty((sum(forward[0]), *rows.shape[1:])), rows.new_empty((sum(reverse[0]), *rows.shape[1:])))
     return {
         "floor": lambda: _raw_pair(rows, forward, reverse, None),
@@ -177,7 +187,7 @@ def _dense_case(cp: int, rank: int, tokens: int, hidden: int, settings: Settings
     candidates = {"ours": ours, **_floor_candidates(rows, forward, reverse)}
     candidates["naive"] = lambda: _naive_round_trip(rows, zigzag_positions, contiguous_positions, cp)
     with torch.no_grad():
-        return _interleaved(candidates, settings.repetitions)
+        return _interleaved(candidates, settings.repetitions(tokens))
 
 
 def _packed_case(cp: int, rank: int, tokens: int, hidden: int, settings: Settings) -> dict[str, float]:
@@ -216,7 +226,7 @@ def _packed_case(cp: int, rank: int, tokens: int, hidden: int, settings: Setting
     assert torch.equal(ours(), rows) and torch.equal(naive(), rows), "packed round trip changed the data"
     candidates = {"ours": ours, **_floor_candidates(rows, forward, reverse), "naive": naive}
     with torch.no_grad():
-        medians = _interleaved(candidates, settings.repetitions)
+        medians = _interleaved(candidates, settings.repetitions(tokens))
     plan_time = torch.tensor([plan_ms], dtype=torch.float64)
     dist.all_reduce(plan_time, op=dist.ReduceOp.MAX)
     return {**medians, "plan": float(plan_time)}
@@ -257,7 +267,13 @@ def _conversion_rows(settings: Settings) -> list[tuple]:
         processes = [context.Process(target=_rank_main, args=(r, cp, port, settings, results)) for r in range(cp)]
         for process in processes:
             process.start()
-        rows += results.get(timeout=3600)
+        while results.empty():
+            if any(process.exitcode not in (None, 0) for process in processes):
+                for process in processes:
+                    process.kill()
+                raise RuntimeError(f"a cp={cp} rank failed; see its traceback above")
+            time.sleep(0.5)
+        rows += results.get()
         for process in processes:
             process.join()
             if process.exitcode != 0:
@@ -288,10 +304,11 @@ def _table(conversions: list[tuple], plans: list[tuple], settings: Settings, wal
     lines = [
         "# Layout conversion benchmark",
         "",
-        f"`python benchmarks/layout_bench.py{' --quick' if settings.repetitions < 5 else ''}` on "
-        f"{os.cpu_count()} CPU cores ({platform.machine()}), torch {torch.__version__}, gloo over loopback, "
-        f"dtype {str(settings.dtype).removeprefix('torch.')}, one thread per rank, {settings.repetitions} "
-        f"interleaved repetitions (median of the slowest rank), wall {wall:.0f} s.",
+        f"`python benchmarks/layout_bench.py{' --quick' if settings.quick else ''}` on "
+        f"{os.cpu_count()} CPU cores ({platform.machine()}, shared with other jobs), torch {torch.__version__}, "
+        f"gloo over loopback, dtype {str(settings.dtype).removeprefix('torch.')}, one thread per rank, "
+        f"interleaved repetitions ({', '.join(f'{t}: {settings.repetitions(t)}' for t in settings.token_counts)}; "
+        f"median of the slowest rank), wall {wall:.0f} s.",
         "",
         "Round trip contiguous -> zigzag -> contiguous, ms. Ratios: ours / floor (fresh outputs), ours / floor with "
         "preallocated outputs, ours / naive all-gather.",

@@ -217,7 +217,16 @@ def longest_under_cap(points: list[dict[str, Any]], cap: float) -> int | None:
     return max(fitting) if fitting else None
 
 
-def report(args: argparse.Namespace, results: dict[int, list[dict[str, Any]]], wall_s: float) -> str:
+def interpolated_under_cap(points: list[dict[str, Any]], cap: float) -> int | None:
+    """Return the sequence length where peak memory reaches ``cap``, linear between the two bracketing points."""
+    for low, high in zip(points, points[1:], strict=False):
+        if low["peak_mib"] <= cap < high["peak_mib"]:
+            fraction = (cap - low["peak_mib"]) / (high["peak_mib"] - low["peak_mib"])
+            return round(low["seq"] + fraction * (high["seq"] - low["seq"]))
+    return None
+
+
+def report(args: argparse.Namespace, results: dict[int, list[dict[str, Any]]], wall_s: float, load: float) -> str:
     """Return the markdown report."""
     lines = [
         "# train_bench: reference model under cp_zigzag on this machine",
@@ -240,7 +249,10 @@ def report(args: argparse.Namespace, results: dict[int, list[dict[str, Any]]], w
                 f"| {100 * p['layout_share']:.1f}% | {100 * p['attention_comm_share']:.1f}% |"
             )
     lines += ["", f"Longest sequence that trains under {args.cap_mib:.0f} MiB per rank (among the lengths tried):", ""]
-    lines += ["| cp | longest seq under cap | longest run | why the sweep stopped |", "| --- | --- | --- | --- |"]
+    lines += [
+        "| cp | longest seq under cap | interpolated | longest run | why the sweep stopped |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     seqs = [int(s) for s in args.seqs.split(",")]
     for cp, points in results.items():
         last = points[-1] if points else None
@@ -252,11 +264,20 @@ def report(args: argparse.Namespace, results: dict[int, list[dict[str, Any]]], w
             why = f"step {last['step_s']:.0f} s > {args.max_step_s:.0f} s time budget at {last['seq']}"
         else:
             why = "all lengths ran"
-        longest = longest_under_cap(points, args.cap_mib)
-        lines.append(f"| {cp} | {longest or '-'} | {last['seq'] if last else '-'} | {why} |")
+        longest, estimate = longest_under_cap(points, args.cap_mib), interpolated_under_cap(points, args.cap_mib)
+        lines.append(f"| {cp} | {longest or '-'} | {estimate or '-'} | {last['seq'] if last else '-'} | {why} |")
+    if 1 in results:
+        lines += [
+            "",
+            "cp=1 runs without CP through `lightning_cp.context.local_attention`, which masks packed documents with a "
+            "dense T x T mask (SDPA math path): its memory grows quadratically, so the cp=1 -> cp=2 step is that path; "
+            "compare cp=2 with cp=4 for the CP scaling.",
+        ]
     lines += [
         "",
-        f"Total wall time {wall_s:.0f} s. Command: `python benchmarks/train_bench.py {' '.join(sys.argv[1:])}`",
+        f"Total wall time {wall_s:.0f} s; 5-minute load average at the end {load:.1f} on {os.cpu_count()} cores "
+        "(other jobs shared the machine, so single points are noisy).",
+        f"Command: `python benchmarks/train_bench.py {' '.join(sys.argv[1:])}`",
     ]
     return "\n".join(lines) + "\n"
 
@@ -273,7 +294,7 @@ def main() -> None:
         for cp in (int(c) for c in args.cps.split(",")):
             results[cp] = run_cp(args, cp, Path(tmp))
             print(f"cp={cp}: " + ", ".join(f"{p['seq']}: {p['step_s']:.2f}s" for p in results[cp]), flush=True)
-    text = report(args, results, time.perf_counter() - start)
+    text = report(args, results, time.perf_counter() - start, os.getloadavg()[1])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))

@@ -137,30 +137,27 @@ def local_attention(
     softmax_scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Single-device attention on batch-first ``[B, S, H, D]``; with ``cu_seqlens`` tokens attend within documents."""
-    if k.shape[2] != q.shape[2]:
-        if q.shape[2] % k.shape[2] != 0:
-            raise ValueError(f"query heads {q.shape[2]} are not a multiple of key/value heads {k.shape[2]}")
-        repeats = q.shape[2] // k.shape[2]
-        k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
+    """Single-device attention on batch-first ``[B, S, H, D]``; with ``cu_seqlens`` tokens attend within documents.
+
+    Packed rows run one fused attention call per document (tokens past ``cu_seqlens[-1]`` form one more segment).
+    """
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"query heads {q.shape[2]} are not a multiple of key/value heads {k.shape[2]}")
     query, key, value = (tensor.transpose(1, 2) for tensor in (q, k, v))
     if cu_seqlens is None:
-        output = F.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=softmax_scale)
+        segments = [(query, key, value)]
     else:
-        output = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=document_attention_mask(cu_seqlens, q.shape[1], causal), scale=softmax_scale
+        offsets = [int(offset) for offset in cu_seqlens.tolist()]
+        lengths = [end - start for start, end in zip(offsets, offsets[1:], strict=False)] + [q.shape[1] - offsets[-1]]
+        lengths = [length for length in lengths if length > 0]
+        segments = list(zip(*(tensor.split(lengths, dim=2) for tensor in (query, key, value)), strict=True))
+    outputs = [
+        F.scaled_dot_product_attention(
+            segment_q, segment_k, segment_v, is_causal=causal, scale=softmax_scale, enable_gqa=True
         )
-    return output.transpose(1, 2)
-
-
-def document_attention_mask(cu_seqlens: torch.Tensor, token_count: int, causal: bool) -> torch.Tensor:
-    """Return the ``[T, T]`` boolean mask letting each token see its own document (tokens past the end: each other)."""
-    positions = torch.arange(token_count, device=cu_seqlens.device)
-    document = torch.searchsorted(cu_seqlens[1:].long(), positions, right=True)
-    mask = document[:, None] == document[None, :]
-    if causal:
-        mask &= positions[:, None] >= positions[None, :]
-    return mask
+        for segment_q, segment_k, segment_v in segments
+    ]
+    return torch.cat(outputs, dim=2).transpose(1, 2)
 
 
 def cp_attention(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from enum import Enum
@@ -48,9 +49,9 @@ class THDCPLayoutPlan:
     """Rank-local all-to-all-v plan for packed sequence layout conversion.
 
     Forward fields describe contiguous-to-zigzag conversion. Reverse fields describe the inverse conversion.
-    The plan is built once per packed batch and reused around every attention layer. The two trailing flags
-    mark index steps that are the identity, so conversion can skip their copies; ``forward_send_padding_rows`` lists
-    the forward send rows that carry zero padding (``forward_send_indices`` -1).
+    The plan is built once per packed batch and reused around every attention layer. Padding travels as zero rows
+    (``forward_send_indices`` -1, listed in ``forward_send_padding_rows``) so arrivals on the zigzag side are
+    already in slot order; the ``*_is_identity`` flags mark index steps conversion can skip.
     """
 
     contiguous_local_token_count: int
@@ -78,24 +79,12 @@ class THDCPLayoutPlan:
         device = torch.device(device)
         if self.forward_send_indices.device == device:
             return self
-        return THDCPLayoutPlan(
-            contiguous_local_token_count=self.contiguous_local_token_count,
-            zigzag_local_token_count=self.zigzag_local_token_count,
-            cu_seqlens_padded=self.cu_seqlens_padded.to(device, non_blocking=True),
-            max_seqlen_padded=self.max_seqlen_padded,
-            pad_between_seqs=self.pad_between_seqs,
-            forward_send_indices=self.forward_send_indices.to(device, non_blocking=True),
-            forward_receive_positions=self.forward_receive_positions.to(device, non_blocking=True),
-            forward_input_split_sizes=self.forward_input_split_sizes,
-            forward_output_split_sizes=self.forward_output_split_sizes,
-            reverse_send_indices=self.reverse_send_indices.to(device, non_blocking=True),
-            reverse_receive_indices=self.reverse_receive_indices.to(device, non_blocking=True),
-            forward_send_is_identity=self.forward_send_is_identity,
-            forward_receive_is_identity=self.forward_receive_is_identity,
-            forward_send_padding_rows=None
-            if self.forward_send_padding_rows is None
-            else self.forward_send_padding_rows.to(device, non_blocking=True),
-        )
+        moved = {
+            field.name: value.to(device, non_blocking=True)
+            for field in dataclasses.fields(self)
+            if isinstance(value := getattr(self, field.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **moved)
 
 
 def _check_coordinates(cp_size: int, cp_rank: int, tp_size: int, tp_rank: int) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -92,6 +92,7 @@ class CPZigzagStrategy(DDPStrategy):
         self.boundary_layout = boundary_layout
         self.attention_mode = attention_mode
         self._cp_mesh: ContextParallelMesh | None = None
+        self._localized_parameters: comm.LocalizedTensorParallelParameters | None = None
 
     @property
     def cp_mesh(self) -> ContextParallelMesh:
@@ -158,11 +159,29 @@ class CPZigzagStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
-        """Wrap the model in DDP over the DP x CP group."""
+        """Wrap the model in DDP over the DP x CP group (tensor-parallel DTensor parameters reduced as local shards)."""
+        self._localized_parameters = comm.LocalizedTensorParallelParameters(model)
         device_ids = self.determine_ddp_device_ids()
         return DistributedDataParallel(
             module=model, device_ids=device_ids, process_group=self.cp_mesh.dp_cp_group, **self._ddp_kwargs
         )
+
+    def teardown(self) -> None:
+        """Make tensor-parallel parameters DTensors again, then tear down as DDP does."""
+        if self._localized_parameters is not None:
+            self._localized_parameters.restore()
+            self._localized_parameters = None
+        super().teardown()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Return the module state with tensor-parallel parameters gathered, so checkpoints load at any parallelism."""
+        assert self.lightning_module is not None
+        return comm.full_module_state(self.lightning_module)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load a full-state checkpoint, cutting this rank's shard of every tensor-parallel parameter."""
+        assert self.lightning_module is not None
+        comm.load_full_module_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

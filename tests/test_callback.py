@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy
+from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy, PackedSeqParams, cp_attention
 from lightning_cp.callback import select_layers
+from lightning_cp.context import ContextParallelStep, activated
 from lightning_cp.layout import CPLayout
 from tests.distributed_harness import run_on_ranks
 from tests.test_strategy import HYBRID, POLICY, TRAINER_OPTIONS
@@ -127,3 +128,28 @@ def test_a_batch_that_is_not_a_dict_is_refused() -> None:
     callback = ContextParallelLayoutCallback()
     with pytest.raises(TypeError, match="needs dict batches"):
         callback.on_train_batch_start(None, TinyTransformer(), [torch.zeros(1, 4)], 0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_cp_attention_without_cp_is_exact_per_document_attention(causal: bool) -> None:
+    """cp=1 (or no step): packed rows attend within each document, GQA included; tokens past the end stay apart."""
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 13, 4, 8, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(1, 13, 2, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    cu_seqlens = torch.tensor([0, 4, 5, 5, 11], dtype=torch.int32)
+    documents = torch.tensor([0, 0, 0, 0, 1, 3, 3, 3, 3, 3, 3, 4, 4])
+    visible = documents[:, None] == documents[None, :]
+    if causal:
+        visible &= torch.ones(13, 13, dtype=torch.bool).tril()
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(2, dim=2)) / 8**0.5
+    weights = scores.masked_fill(~visible, -torch.inf).softmax(-1)
+    expected = torch.einsum("bhqk,bkhd->bqhd", weights, v.repeat_interleave(2, dim=2))
+    step = ContextParallelStep(cp_size=1, contiguous_packed_seq_params=PackedSeqParams(cu_seqlens_q=cu_seqlens))
+    with activated(step):
+        actual = cp_attention(q, k, v, causal=causal)
+    assert torch.allclose(actual, expected, rtol=0, atol=1e-12)
+    dense = cp_attention(q, k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2), causal=causal)
+    dense_visible = torch.ones(13, 13, dtype=torch.bool).tril() if causal else torch.ones(13, 13, dtype=torch.bool)
+    dense_weights = scores.masked_fill(~dense_visible, -torch.inf).softmax(-1)
+    expected_dense = torch.einsum("bhqk,bkhd->bqhd", dense_weights, v.repeat_interleave(2, dim=2))
+    assert torch.allclose(dense, expected_dense, rtol=0, atol=1e-12)

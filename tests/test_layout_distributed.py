@@ -51,6 +51,7 @@ def _check_dense(cp, tp, logical, groups, seq_dim) -> None:
     assert torch.equal(restored, take(sequence, contiguous, seq_dim))
     restored.backward(take(upstream, contiguous, seq_dim))
     assert torch.equal(zigzag_local.grad, take(upstream, zigzag, seq_dim))
+    assert torch.equal(converted, take(sequence, zigzag, seq_dim)), "a later conversion overwrote an earlier output"
 
 
 def _check_packed(cp, tp, logical, groups, cu, cu_padded, seq_dim) -> None:
@@ -93,6 +94,7 @@ def _check_packed(cp, tp, logical, groups, cu, cu_padded, seq_dim) -> None:
     assert torch.equal(restored, shaped(stream[own]))
     restored.backward(shaped(upstream[own]))
     assert torch.equal(zigzag_local.grad, shaped(take(upstream, positions[logical])))
+    assert torch.equal(converted, shaped(take(stream, positions[logical]))), "a later conversion overwrote an output"
 
 
 def _conversion_checks(cp: int, tp: int, tp_fastest: bool) -> int:

@@ -12,6 +12,7 @@ from lightning_cp.layout import (
     contiguous_to_zigzag,
     zigzag_to_contiguous,
 )
+from lightning_cp.packed import PackedSeqParams
 from tests.distributed_harness import RankError, assert_same_error_on_every_rank, run_outcomes
 from tests.test_layout_distributed import make_groups
 
@@ -98,6 +99,18 @@ def _bad_inputs(cp_group, tp_group, tp_cp_group) -> dict[str, tuple[str, object]
             "unknown CP layout 'bogus'",
             lambda: _redistribute_layout(torch.zeros(4, 2), cp_group, "bogus", "zigzag", False, None, None),
         ),
+        "kv offsets differ": (
+            "cu_seqlens_kv differs from cu_seqlens_q",
+            lambda: ContextParallelLayoutManager(("zigzag",), "contiguous", False, cp_group).build_packed_zigzag_layout(
+                PackedSeqParams(cu_seqlens_q=good_cu, cu_seqlens_kv=_int32([0, 2, 8]))
+            ),
+        ),
+        "layer index": (
+            "layer_index 1 is outside [0, 1)",
+            lambda: ContextParallelLayoutManager(("zigzag",), "contiguous", False, cp_group).prepare_layer_input(
+                1, torch.zeros(4, 2)
+            ),
+        ),
         "not Cartesian": (
             "do not form a Cartesian product",
             lambda: contiguous_to_zigzag(torch.zeros(4, 2), cp_group, True, cp_group, tp_cp_group),
@@ -125,7 +138,7 @@ def test_every_bad_input_fails_identically_on_every_rank():
     failures = [outcome for outcome in outcomes if isinstance(outcome, RankError)]
     assert not failures, failures[0].traceback
     names = list(outcomes[0])
-    assert len(names) == 19
+    assert len(names) == 21
     for name in names:
         fragment, error_type, message = outcomes[0][name]
         assert error_type == "ValueError", f"{name}: got {error_type} {message}"

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_cp import comm
-from lightning_cp.layout import ContextParallelLayoutManager, CPLayout
+from lightning_cp.layout import ContextParallelLayoutManager, ContextParallelLayoutState, CPLayout
 from lightning_cp.packed import PackedSeqParams
 from tests.distributed_harness import run_on_ranks
 from tests.test_layout_distributed import make_groups
@@ -146,6 +146,7 @@ def _manager_checks() -> str:
         for index in range(len(manager.layer_layouts)):
             assert manager.prepare_layer_input(index, hidden) is hidden
             assert manager.finalize_layer_output(index, hidden) is hidden
+    assert ContextParallelLayoutState(cp1, None, None, None).convert(hidden, "contiguous", "zigzag") is hidden
     assert len(calls) == start
     return "ok"
 

@@ -50,6 +50,7 @@ class FitRun:
     batch_kind: str
     strategy: dict[str, Any] = field(default_factory=dict)
     checkpoint_blocks: bool = False
+    tensor_parallel: bool = False
     policy: dict[str, list[str]] = field(default_factory=lambda: POLICY)
 
     @property
@@ -63,7 +64,7 @@ def fit_on_rank(world_size: int, runs: list[FitRun]) -> list[dict[str, Any]]:
     results = []
     for run in runs:
         os.environ["WORLD_SIZE"] = str(world_size)  # Lightning's teardown removes it
-        model = TinyTransformer(run.kinds, checkpoint_blocks=run.checkpoint_blocks)
+        model = TinyTransformer(run.kinds, checkpoint_blocks=run.checkpoint_blocks, tensor_parallel=run.tensor_parallel)
         callback = ContextParallelLayoutCallback(**run.policy)
         trainer = pl.Trainer(
             devices=world_size,
@@ -74,11 +75,12 @@ def fit_on_rank(world_size: int, runs: list[FitRun]) -> list[dict[str, Any]]:
         )
         trainer.fit(model, DataLoader(run.batches, batch_size=None))
         mesh = trainer.strategy.cp_mesh
+        weights = trainer.strategy.lightning_module_state_dict()
         results.append(
             {
                 "losses": model.train_losses,
                 "indices": model.batch_indices,
-                "weights": {name: tensor.numpy().copy() for name, tensor in model.state_dict().items()},
+                "weights": {name: tensor.numpy().copy() for name, tensor in weights.items()},
                 "layouts": model.seen_layouts,
                 "conversions": model.forward_conversions,
                 "dp_rank": mesh.dp_rank,
@@ -112,6 +114,20 @@ WORLD_4_RUNS = [
     FitRun("dp2cp2-packed-ring", ATTENTION, "packed", {"context_parallel_size": 2, "attention_mode": "ring"}),
     FitRun("cp4-hybrid-packed", HYBRID, "packed", {"context_parallel_size": 4}),
     FitRun("dp2cp2-hybrid-dense-ring", HYBRID, "dense", {"context_parallel_size": 2, "attention_mode": "ring"}),
+    FitRun(
+        "cp2tp2-dense",
+        ATTENTION,
+        "dense",
+        {"context_parallel_size": 2, "tensor_parallel_size": 2},
+        tensor_parallel=True,
+    ),
+    FitRun(
+        "cp2tp2-hybrid-packed-ring",
+        HYBRID,
+        "packed",
+        {"context_parallel_size": 2, "tensor_parallel_size": 2, "attention_mode": "ring"},
+        tensor_parallel=True,
+    ),
 ]
 RUNS = {run.name: (2, run) for run in WORLD_2_RUNS} | {run.name: (4, run) for run in WORLD_4_RUNS}
 
@@ -123,16 +139,19 @@ def launch(world_size: int) -> list[list[dict[str, Any]]]:
     return run_on_ranks(fit_on_rank, world_size, world_size, runs, init_process_group=False, timeout=240)
 
 
-def expected_positions(batch: dict[str, torch.Tensor], cp: int, cp_rank: int, layout: str) -> list[int]:
-    """Return the first row's position ids a block on ``cp_rank`` sees in ``layout``, derived from the raw batch."""
+def expected_positions(batch: dict[str, torch.Tensor], cp: int, tp: int, cp_rank: int, layout: str) -> list[int]:
+    """Return the first row's position ids a block on ``cp_rank`` sees in ``layout``, derived from the raw batch.
+
+    The batch is padded to a multiple of cp x tp (packed) or 2 x cp x tp (dense); TP ranks share their CP shard.
+    """
     length = batch["input_ids"].shape[1]
-    packed = "cu_seqlens" in batch
-    padded = -(-length // (cp if packed else 2 * cp)) * (cp if packed else 2 * cp)
+    multiple = cp * tp if "cu_seqlens" in batch else 2 * cp * tp
+    padded = -(-length // multiple) * multiple
     _, positions, _ = reference_targets(batch)
     positions = positions[0].tolist() + [0] * (padded - length)
     if layout == "contiguous":
         return positions[cp_rank * padded // cp : (cp_rank + 1) * padded // cp]
-    offsets = batch["cu_seqlens"].tolist() if packed else [0, length]
+    offsets = batch["cu_seqlens"].tolist() if "cu_seqlens" in batch else [0, length]
     offsets[-1] = padded
     seen = []
     for start, end in zip(offsets[:-1], offsets[1:], strict=True):
@@ -197,10 +216,11 @@ def test_each_block_sees_its_layout_and_conversions_match_layout_changes(name: s
     index = (WORLD_2_RUNS if world_size == 2 else WORLD_4_RUNS).index(run)
     boundary = run.strategy.get("boundary_layout", CPLayout.CONTIGUOUS.value)
     cp = run.strategy.get("context_parallel_size", world_size)
+    tp = run.strategy.get("tensor_parallel_size", 1)
     for rank_results in launch(world_size):
         result = rank_results[index]
         assert [(name, layout) for name, layout, _ in result["layouts"]] == expected_layouts(run.kinds)
         first_batch = run.batches[result["indices"][0]]
         for _, layout, positions in result["layouts"]:
-            assert positions == expected_positions(first_batch, cp, result["cp_rank"], layout)
+            assert positions == expected_positions(first_batch, cp, tp, result["cp_rank"], layout)
         assert result["conversions"] == [layout_changes(run.kinds, boundary)] * STEPS

@@ -23,12 +23,12 @@ def validation_batches() -> list[dict[str, torch.Tensor]]:
     return packed_batches(2)
 
 
-def train_and_save(world_size: int, path: str) -> list[float]:
-    """Fit two steps at cp=world_size, save a checkpoint and return the validation losses of the saved weights."""
-    model = TinyTransformer(HYBRID)
+def train_and_save(world_size: int, path: str, strategy: dict[str, Any], tensor_parallel: bool) -> list[float]:
+    """Fit two steps under ``cp_zigzag(**strategy)``, save a checkpoint, return the saved weights' validation losses."""
+    model = TinyTransformer(HYBRID, tensor_parallel=tensor_parallel)
     trainer = pl.Trainer(
         devices=world_size,
-        strategy=CPZigzagStrategy(),
+        strategy=CPZigzagStrategy(**strategy),
         callbacks=[ContextParallelLayoutCallback(**POLICY)],
         max_steps=2,
         **TRAINER_OPTIONS,
@@ -40,38 +40,74 @@ def train_and_save(world_size: int, path: str) -> list[float]:
     return model.val_losses
 
 
-def validate_checkpoint(world_size: int, path: str, strategy: str) -> list[float]:
-    """Load the checkpoint into a fresh model under ``strategy`` and return its validation losses.
+def validate_checkpoint(
+    world_size: int, path: str, strategy: dict[str, Any] | None, tensor_parallel: bool
+) -> list[float]:
+    """Load the checkpoint into a fresh model and return its validation losses; ``strategy=None`` is plain Lightning.
 
     ``cp_zigzag`` adds its default callback, whose default policy also fits the hybrid model.
     """
-    model = TinyTransformer(HYBRID)
-    callbacks = [ContextParallelLayoutCallback(**POLICY)] if strategy == "auto" else []
-    trainer = pl.Trainer(devices=world_size, strategy=strategy, callbacks=callbacks, **TRAINER_OPTIONS)
+    model = TinyTransformer(HYBRID, tensor_parallel=tensor_parallel)
+    plain = strategy is None
+    trainer = pl.Trainer(
+        devices=world_size,
+        strategy="auto" if plain else CPZigzagStrategy(**strategy),
+        callbacks=[ContextParallelLayoutCallback(**POLICY)] if plain else [],
+        **TRAINER_OPTIONS,
+    )
     trainer.validate(model, DataLoader(validation_batches(), batch_size=None), ckpt_path=path, verbose=False)
     return model.val_losses
 
 
-def test_checkpoint_from_cp2_loads_at_cp1_cp4_and_plain_lightning(tmp_path: Path) -> None:
-    """The cp=2 checkpoint is one file of plain module state and gives the same validation loss everywhere."""
-    path = str(tmp_path / "cp2.ckpt")
-    saved_losses = run_on_ranks(train_and_save, 2, 2, path, init_process_group=False)
-    assert saved_losses[0] == saved_losses[1]
-    assert [entry.name for entry in tmp_path.iterdir()] == ["cp2.ckpt"]
-    checkpoint = torch.load(path, weights_only=False)
-    assert set(checkpoint["state_dict"]) == set(TinyTransformer(HYBRID).state_dict())
-    loaded = {
-        "plain Lightning, one device": run_on_ranks(validate_checkpoint, 1, 1, path, "auto", init_process_group=False),
-        "cp_zigzag cp=1": run_on_ranks(validate_checkpoint, 1, 1, path, "cp_zigzag", init_process_group=False),
-        "cp_zigzag cp=4": run_on_ranks(validate_checkpoint, 4, 4, path, "cp_zigzag", init_process_group=False),
-    }
-    expected = saved_losses[0]
+LOADERS = {
+    "plain Lightning, one device": (1, None, False),
+    "cp_zigzag cp=1": (1, {}, False),
+    "cp_zigzag cp=4": (4, {}, False),
+    "cp_zigzag cp2 x tp2, tensor parallel": (4, {"context_parallel_size": 2, "tensor_parallel_size": 2}, True),
+}
+
+
+def assert_loads_everywhere(path: str, expected: list[float], loaders: list[str]) -> None:
+    """Validate the checkpoint under each named loader and compare with the losses measured when it was saved."""
     assert len(expected) == 2
-    for where, per_rank in loaded.items():
+    for where in loaders:
+        world_size, strategy, tensor_parallel = LOADERS[where]
+        per_rank = run_on_ranks(
+            validate_checkpoint, world_size, world_size, path, strategy, tensor_parallel, init_process_group=False
+        )
         for losses in per_rank:
             assert len(losses) == len(expected), where
             for actual, reference in zip(losses, expected, strict=True):
                 assert abs(actual - reference) <= 1e-9 * reference, f"{where}: {actual} != {reference}"
+
+
+def assert_single_plain_checkpoint(directory: Path, path: str) -> None:
+    """One file holding exactly the plain module's state, full-sized."""
+    assert [entry.name for entry in directory.iterdir()] == [Path(path).name]
+    state = torch.load(path, weights_only=False)["state_dict"]
+    plain = TinyTransformer(HYBRID).state_dict()
+    assert {name: tuple(tensor.shape) for name, tensor in state.items()} == {
+        name: tuple(tensor.shape) for name, tensor in plain.items()
+    }
+
+
+def test_checkpoint_from_cp2_loads_at_cp1_cp4_tp2_and_plain_lightning(tmp_path: Path) -> None:
+    """The cp=2 checkpoint gives the same validation loss under every loader."""
+    path = str(tmp_path / "cp2.ckpt")
+    saved_losses = run_on_ranks(train_and_save, 2, 2, path, {}, False, init_process_group=False)
+    assert saved_losses[0] == saved_losses[1]
+    assert_single_plain_checkpoint(tmp_path, path)
+    assert_loads_everywhere(path, saved_losses[0], list(LOADERS))
+
+
+def test_tensor_parallel_checkpoint_is_gathered_and_loads_on_one_device(tmp_path: Path) -> None:
+    """A cp2 x tp2 run with sharded MLPs writes full weights that load at cp=1 without tensor parallelism."""
+    path = str(tmp_path / "cp2tp2.ckpt")
+    strategy = {"context_parallel_size": 2, "tensor_parallel_size": 2}
+    saved_losses = run_on_ranks(train_and_save, 4, 4, path, strategy, True, init_process_group=False)
+    assert all(losses == saved_losses[0] for losses in saved_losses)
+    assert_single_plain_checkpoint(tmp_path, path)
+    assert_loads_everywhere(path, saved_losses[0], ["plain Lightning, one device"])
 
 
 class RankStampedModel(TinyTransformer):

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lightning_cp import comm, cp_attention, cp_cross_entropy
 from lightning_cp.context import active_step
@@ -92,7 +94,12 @@ def previous_rank_last_token(h: torch.Tensor) -> torch.Tensor:
 class TinyTransformer(pl.LightningModule):
     """Embedding, blocks by ``kinds`` (``"attention"``/``"recurrent"``), a head; SGD on ``cp_cross_entropy``."""
 
-    def __init__(self, kinds: Sequence[str] = ("attention", "attention"), checkpoint_blocks: bool = False) -> None:
+    def __init__(
+        self,
+        kinds: Sequence[str] = ("attention", "attention"),
+        checkpoint_blocks: bool = False,
+        tensor_parallel: bool = False,
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Embedding(VOCAB, HIDDEN)
@@ -101,6 +108,7 @@ class TinyTransformer(pl.LightningModule):
         self.head = nn.Linear(HIDDEN, VOCAB)
         self.double()
         self.checkpoint_blocks = checkpoint_blocks
+        self.tensor_parallel = tensor_parallel
         self.attention_fn: AttentionFn = cp_attention
         self.train_losses: list[float] = []
         self.val_losses: list[float] = []
@@ -113,6 +121,15 @@ class TinyTransformer(pl.LightningModule):
         step = active_step()
         if step is not None and len(self.seen_layouts) < len(self.blocks):
             self.seen_layouts.append((type(block).__name__, step.current_layout.value, position_ids[0].tolist()))
+
+    def configure_model(self) -> None:
+        """With ``tensor_parallel``, shard each attention block's MLP column- then row-wise over the TP mesh (once)."""
+        if not self.tensor_parallel or isinstance(self.blocks[0].mlp[0].weight, DTensor):
+            return
+        mesh = self.device_mesh["tensor_parallel"]
+        for block in self.blocks:
+            if isinstance(block, AttentionBlock):
+                parallelize_module(block.mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Return logits ``[B, S, VOCAB]``."""
