@@ -70,7 +70,7 @@ class TrainerConfig:
     precision: str = "32-true"
     max_steps: int = 300
     max_epochs: int | None = None
-    val_check_interval: Any = 50
+    val_check_interval: Any = 25
     limit_val_batches: Any = 1.0
     log_every_n_steps: int = 1
     gradient_clip_val: float | None = 1.0
@@ -222,7 +222,8 @@ def _check_values(cfg: DictConfig) -> None:
     per_node = len(devices) if OmegaConf.is_list(devices) else devices
     if isinstance(per_node, int) and not isinstance(per_node, bool) and per_node > 0:
         world = per_node * cfg.trainer.num_nodes
-        group = (cp or per_node) * cfg.strategy.tensor_parallel_size
+        tp = cfg.strategy.tensor_parallel_size
+        group = (cp or max(1, per_node // tp)) * tp
         if world % group:
             raise ConfigError(
                 f"world size {world} (trainer.devices={per_node} x trainer.num_nodes={cfg.trainer.num_nodes}) "

@@ -65,6 +65,9 @@ def build_trainer(cfg: DictConfig, run_dir: Path, *, log: bool = True) -> pl.Tra
         save_last=True,
     )
     trainer_args: dict[str, Any] = OmegaConf.to_container(cfg.trainer)
+    interval, max_steps = trainer_args["val_check_interval"], trainer_args["max_steps"]
+    if isinstance(interval, int) and 0 < max_steps < interval:
+        trainer_args["val_check_interval"] = max_steps
     layout_callback = ContextParallelLayoutCallback(**OmegaConf.to_container(cfg.layout))
     return pl.Trainer(
         **trainer_args,

@@ -35,7 +35,7 @@ class CPZigzagStrategy(DDPStrategy):
     """Context parallelism for any LightningModule: a data x context x tensor parallel mesh, DDP over DP x CP.
 
     Args:
-        context_parallel_size: ranks sharing one sequence; ``None`` = all devices of a node.
+        context_parallel_size: ranks sharing one sequence; ``None`` = the devices of a node (divided by tp).
         tensor_parallel_size: ranks of one tensor-parallel group (applied by the module's ``configure_model``).
         data_parallel_size: replicas; ``"auto"`` = world size / (cp x tp).
         sequence_parallel: the residual stream is also sharded over the TP ranks (needs tp > 1).
@@ -45,8 +45,10 @@ class CPZigzagStrategy(DDPStrategy):
             keyword arguments of ``DistributedDataParallel`` (``find_unused_parameters``, ``static_graph``, ...).
 
     Every CP and TP rank of a replica sees the same batch (the sampler splits over DP only); gradients are averaged
-    over DP x CP; checkpoints hold the plain module state and load at any cp or under any other strategy. The mesh
-    is ``trainer.strategy.device_mesh`` and ``LightningModule.device_mesh`` in ``configure_model``.
+    over DP x CP; checkpoints hold the plain, full module state and load at any cp or under any other strategy. The
+    mesh is ``trainer.strategy.device_mesh`` and ``LightningModule.device_mesh`` in ``configure_model``, where
+    tensor parallelism is applied with DTensors (DDP reduces their local shards). With ``sequence_parallel`` every
+    parameter must be a DTensor: plain parameters get no gradient reduction over the TP ranks.
     """
 
     strategy_name = "cp_zigzag"
@@ -125,7 +127,7 @@ class CPZigzagStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         """Check the sizes against the world size, start the process group, build the mesh and wait for all ranks."""
-        context_parallel_size = self.context_parallel_size or self.num_processes
+        context_parallel_size = self.context_parallel_size or max(1, self.num_processes // self.tensor_parallel_size)
         dims = resolve_parallel_dims(
             self.num_nodes * self.num_processes,
             context_parallel_size,

@@ -24,6 +24,10 @@ def test_defaults_then_file_then_overrides(tmp_path) -> None:
     assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.trainer.max_steps) == (64, 2, 9)
     assert list(cfg.data.sources) == ["a.txt", "b.jsonl"] and cfg.run.name == "x"
     assert cfg.model.num_heads == 4
+    whole_node = load_config(
+        None, ["strategy.context_parallel_size=null", "strategy.tensor_parallel_size=2", "trainer.devices=4"]
+    )
+    assert whole_node.strategy.context_parallel_size is None
 
 
 @pytest.mark.parametrize(
