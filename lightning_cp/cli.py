@@ -12,13 +12,14 @@ COMMANDS = {
     "validate": "report the validation loss of checkpoint.init_from (or checkpoint.resume_from)",
     "print-config": "print the merged configuration",
 }
+DESCRIPTION = "Train, fine-tune and validate a model with context parallelism (strategy cp_zigzag)."
 EPILOG = """configuration: built-in defaults, then --config FILE (a path or a packaged name: default, cp4_cpu, gpu,
 hybrid), then dotted overrides such as trainer.max_steps=100 model.hidden_size=256 checkpoint.resume_from=last."""
 
 
 def parser() -> argparse.ArgumentParser:
     """Return the argument parser."""
-    ap = argparse.ArgumentParser(prog="lightning-cp", description=__doc__, epilog=EPILOG)
+    ap = argparse.ArgumentParser(prog="lightning-cp", description=DESCRIPTION, epilog=EPILOG)
     ap.add_argument("command", choices=list(COMMANDS), help="; ".join(f"{k}: {v}" for k, v in COMMANDS.items()))
     ap.add_argument("--config", "-c", metavar="FILE", help="YAML file or packaged config name")
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="dotted configuration overrides")

@@ -1,7 +1,8 @@
 """Context-parallel sequence-layout conversion: contiguous <-> zigzag shards, dense and packed, with a layer manager.
 
 Plans are built by the pure functions of ``layout_plans`` (re-exported here); this module resolves process groups,
-moves data with the differentiable all-to-all-v of ``comm`` and tracks layouts across a stack of layers.
+moves data with one all-to-all-v per conversion (``comm.all_to_all_v_into``, inside autograd functions whose backward
+is the inverse conversion) and tracks layouts across a stack of layers.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 import functools
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -153,7 +155,7 @@ class _StagingBuffers(threading.local):
 _staging = _StagingBuffers()
 
 
-def _carried_as_bytes(move):
+def _carried_as_bytes(move: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """Wrap a data mover so bool tensors travel as uint8 (gloo has no bool type) and come back as bool."""
 
     @functools.wraps(move)
