@@ -61,7 +61,7 @@ class Settings:
         """More repetitions for small, noisy shapes; few for the big ones whose naive all-gather takes seconds."""
         if tokens <= 32768:
             return 5 if self.quick else 9
-        return 2 if tokens > 131072 or self.quick else 3
+        return 3
 
 
 def _settings(quick: bool) -> Settings:
