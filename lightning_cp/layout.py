@@ -675,17 +675,28 @@ class ContextParallelLayoutManager:
         )
         return plan, zigzag_params
 
-    def build_forward_state(
+    def build_conversion_state(
         self,
         packed_seq_params: PackedSeqParams | None,
     ) -> ContextParallelLayoutState | None:
-        """Build the layout state for one forward pass (None when no layer changes the layout)."""
-        if not self.requires_conversion:
+        """Build the state of one batch whether or not a layer changes the layout (None only when cp == 1).
+
+        Its plan converts any per-token tensor of the batch and it carries the zigzag metadata; where no layer changes
+        the layout, its ``prepare_layer``/``finalize_layer`` return their input unchanged.
+        """
+        if comm.group_size(self.cp_group) == 1:
             return None
         if packed_seq_params is None:
             return ContextParallelLayoutState(self, None, None, None)
         plan, zigzag_params = self.build_packed_zigzag_layout(packed_seq_params)
         return ContextParallelLayoutState(self, plan, packed_seq_params, zigzag_params)
+
+    def build_forward_state(
+        self,
+        packed_seq_params: PackedSeqParams | None,
+    ) -> ContextParallelLayoutState | None:
+        """Build the layout state for one forward pass (None when cp == 1 or no layer changes the layout)."""
+        return self.build_conversion_state(packed_seq_params) if self.requires_conversion else None
 
 
 @dataclass(frozen=True)
