@@ -35,7 +35,7 @@ from lightning_cp.attention_kernels import (
     halves,
     new_accumulator,
 )
-from lightning_cp.packed import PackedSeqParams
+from lightning_cp.packed import PackedSeqParams, host_offsets
 
 logger = logging.getLogger("lightning_cp.attention")
 
@@ -150,23 +150,27 @@ def zigzag_attention(
     kernel_name = _choose_kernel(backend, mode, q)
     _log_choice_once(kernel_name, mode, q)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    tokens, plan = _zigzag_plan(tuple(lengths), tuple(padded), cp, rank, causal, q.device)
+    tokens, plan, perm = _zigzag_plan(tuple(lengths), tuple(padded), cp, rank, causal, q.device)
     packed = packed_seq_params is not None
     if kernel_name == "flash_attn":
         return _flash_attention(q, k, v, cp_group, tokens, rank, packed, causal, scale)
     kernel = _KERNELS[kernel_name]
     return context_parallel_attention(
-        q, k, v, cp_group, plan, tokens[rank].perm, packed=packed, scale=scale, mode=mode, kernel=kernel
+        q, k, v, cp_group, plan, perm, packed=packed, scale=scale, mode=mode, kernel=kernel
     )
 
 
 @functools.lru_cache(maxsize=16)
 def _zigzag_plan(
     lengths: tuple[int, ...], padded: tuple[int, ...], cp: int, rank: int, causal: bool, device: torch.device
-) -> tuple[tuple[RankTokens, ...], BlockPlan]:
-    """Token metadata and block plan of one batch layout, built once and reused by every layer and the backward."""
+) -> tuple[tuple[RankTokens, ...], BlockPlan, Tensor | None]:
+    """Token metadata, block plan and this rank's local-to-half-major permutation on ``device`` of one batch layout.
+
+    Built once and reused by every layer and the backward.
+    """
     tokens = tuple(zigzag_tokens(lengths, padded, cp, src) for src in range(cp))
-    return tokens, build_block_plan(tokens, rank, causal, device)
+    perm = tokens[rank].perm
+    return tokens, build_block_plan(tokens, rank, causal, device), None if perm is None else perm.to(device)
 
 
 def context_parallel_attention(
@@ -408,10 +412,10 @@ def _packed_lengths(tokens: int, cp: int, params: PackedSeqParams) -> tuple[list
                 f"{'padded offsets (each sequence padded to a multiple of 2*cp)' if 'padded' in field else 'lengths'}"
             )
     for q_field, kv_field in (("cu_seqlens_q", "cu_seqlens_kv"), ("cu_seqlens_q_padded", "cu_seqlens_kv_padded")):
-        kv_value = getattr(params, kv_field)
-        if kv_value is not None and kv_value.tolist() != getattr(params, q_field).tolist():
+        kv_value, q_value = getattr(params, kv_field), getattr(params, q_field)
+        if kv_value is not None and kv_value is not q_value and host_offsets(kv_value) != host_offsets(q_value):
             raise ValueError(f"packed_seq_params.{kv_field}={kv_value.tolist()}; expected it to equal {q_field}")
-    offsets, padded_offsets = params.cu_seqlens_q.tolist(), params.cu_seqlens_q_padded.tolist()
+    offsets, padded_offsets = host_offsets(params.cu_seqlens_q), host_offsets(params.cu_seqlens_q_padded)
     _check_offsets("packed_seq_params.cu_seqlens_q", offsets)
     _check_offsets("packed_seq_params.cu_seqlens_q_padded", padded_offsets)
     if len(offsets) != len(padded_offsets):

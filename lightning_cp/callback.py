@@ -106,12 +106,11 @@ class ContextParallelLayoutCallback(Callback):
         self._wrapped_model: nn.Module | None = None
         self._hook_handles: list[RemovableHandle] = []
         self._manager: ContextParallelLayoutManager | None = None
-        self._attention_manager: ContextParallelLayoutManager | None = None
         self._setting: ParallelSetting | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Forget the managers of a previous run: the strategy's groups may have changed."""
-        self._manager = self._attention_manager = self._setting = None
+        """Forget the manager of a previous run: the strategy's groups may have changed."""
+        self._manager = self._setting = None
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Remove the hooks and clear the active step."""
@@ -143,13 +142,13 @@ class ContextParallelLayoutCallback(Callback):
             pl_module.log("cp/layout_conversions", conversions, on_step=True, on_epoch=False, batch_size=1)
         set_active_step(None)
 
-    def on_validation_batch_start(
+    def _begin_evaluation_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         """Shard the batch and activate its step state."""
         self._begin_step(trainer, pl_module, batch)
 
-    def on_validation_batch_end(
+    def _end_evaluation_step(
         self,
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
@@ -161,41 +160,8 @@ class ContextParallelLayoutCallback(Callback):
         """Deactivate the step state."""
         set_active_step(None)
 
-    def on_test_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        """Shard the batch and activate its step state."""
-        self._begin_step(trainer, pl_module, batch)
-
-    def on_test_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        """Deactivate the step state."""
-        set_active_step(None)
-
-    def on_predict_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        """Shard the batch and activate its step state."""
-        self._begin_step(trainer, pl_module, batch)
-
-    def on_predict_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        """Deactivate the step state."""
-        set_active_step(None)
+    on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _begin_evaluation_step
+    on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _end_evaluation_step
 
     def _begin_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any
@@ -222,7 +188,7 @@ class ContextParallelLayoutCallback(Callback):
         self._hook_handles.clear()
         selected = select_layers(pl_module, self.zigzag_layers, self.contiguous_layers)
         self.wrapped_layers = [wrapped for _, wrapped in selected]
-        self._manager = self._attention_manager = None
+        self._manager = None
         for layer_index, (module, wrapped) in enumerate(selected):
             self._hook_handles.append(
                 module.register_forward_pre_hook(self._pre_hook(layer_index, wrapped.layout), with_kwargs=True)
@@ -287,23 +253,22 @@ class ContextParallelLayoutCallback(Callback):
                 self._setting = ParallelSetting()
         return self._setting
 
-    def _managers(self, setting: ParallelSetting) -> tuple[ContextParallelLayoutManager, ContextParallelLayoutManager]:
-        """Return the manager of the wrapped layers and one converting boundary tensors to zigzag for attention."""
-        if self._manager is None or self._attention_manager is None:
-            groups = (setting.sequence_parallel, setting.cp_group, setting.tp_group, setting.tp_cp_group)
+    def _layout_manager(self, setting: ParallelSetting) -> ContextParallelLayoutManager:
+        """Return the manager of the wrapped layers, built once per model and strategy."""
+        if self._manager is None:
             self._manager = ContextParallelLayoutManager(
                 tuple(wrapped.layout for wrapped in self.wrapped_layers),
                 setting.boundary_layout,
-                *groups,
+                setting.sequence_parallel,
+                setting.cp_group,
+                setting.tp_group,
+                setting.tp_cp_group,
                 seq_dim=SEQUENCE_DIM,
             )
-            self._attention_manager = ContextParallelLayoutManager(
-                (CPLayout.ZIGZAG,), CPLayout.CONTIGUOUS, *groups, seq_dim=SEQUENCE_DIM
-            )
-        return self._manager, self._attention_manager
+        return self._manager
 
     def _build_step(self, setting: ParallelSetting, sharded: ShardedBatch) -> ContextParallelStep:
-        """Build the step state: one layout state for the wrapped layers and a plan for any other conversion."""
+        """Build the step state: one layout state whose plan serves the wrapped layers and every other conversion."""
         packed_seq_params = contiguous_packed_seq_params(sharded)
         step = ContextParallelStep(
             cp_size=setting.cp_size,
@@ -318,11 +283,9 @@ class ContextParallelLayoutCallback(Callback):
         )
         if setting.cp_group is None:
             return step
-        manager, attention_manager = self._managers(setting)
-        step.layout_state = manager.build_forward_state(packed_seq_params)
-        step.conversion_state = step.layout_state or attention_manager.build_forward_state(packed_seq_params)
-        if step.conversion_state is not None:
-            step.zigzag_packed_seq_params = step.conversion_state.zigzag_packed_seq_params
+        step.layout_state = self._layout_manager(setting).build_conversion_state(packed_seq_params)
+        if step.layout_state is not None:
+            step.zigzag_packed_seq_params = step.layout_state.zigzag_packed_seq_params
         return step
 
     def _batch_fields(self, step: ContextParallelStep, sharded: ShardedBatch) -> dict[str, Any]:

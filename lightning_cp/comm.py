@@ -42,14 +42,7 @@ def _all_to_all_v(
 ) -> torch.Tensor:
     """Run one uneven all-to-all along dim 0 into a fresh output tensor."""
     output = input_.new_empty((sum(output_split_sizes), *input_.shape[1:]))
-    dist.all_to_all_single(
-        output,
-        input_.contiguous(),
-        output_split_sizes=list(output_split_sizes),
-        input_split_sizes=list(input_split_sizes),
-        group=group,
-    )
-    return output
+    return all_to_all_v_into(output, input_, output_split_sizes, input_split_sizes, group)
 
 
 class _AllToAllV(torch.autograd.Function):

@@ -12,15 +12,15 @@ from torch.distributed import ProcessGroup
 
 from lightning_cp.attention import zigzag_attention
 from lightning_cp.layout import ContextParallelLayoutState, CPLayout
-from lightning_cp.packed import PackedSeqParams
+from lightning_cp.packed import PackedSeqParams, host_offsets
 
 
 @dataclass
 class ContextParallelStep:
     """What one training/evaluation step shares with the model: groups, layout state and packed metadata.
 
-    ``layout_state`` is the manager's per-forward state for the wrapped layers (``None`` at cp=1 or without a layout
-    transition); ``conversion_state`` is a state whose plan converts any per-token tensor (``None`` only at cp=1).
+    ``layout_state`` is the manager's state of the batch (``None`` only at cp=1): it converts the wrapped layers'
+    residual stream where their layout changes (nothing without a layout transition) and any other per-token tensor.
     Wrapped layers push their layout on entry and pop it on exit, so ``cp_attention`` sees the layout of the layer it
     runs in; outside every wrapped layer it sees the boundary layout.
     """
@@ -33,7 +33,6 @@ class ContextParallelStep:
     attention_mode: str = "allgather"
     boundary_layout: CPLayout = CPLayout.CONTIGUOUS
     layout_state: ContextParallelLayoutState | None = None
-    conversion_state: ContextParallelLayoutState | None = None
     contiguous_packed_seq_params: PackedSeqParams | None = None
     zigzag_packed_seq_params: PackedSeqParams | None = None
     dense_padding: int = 0
@@ -56,17 +55,6 @@ class ContextParallelStep:
         """Return the group whose ranks together hold the replica's tokens (TP x CP with sequence parallelism)."""
         return self.tp_cp_group if self.sequence_parallel else self.cp_group
 
-    @property
-    def current_packed_seq_params(self) -> PackedSeqParams | None:
-        """Return the packed metadata of the tokens as they are laid out now (``None`` for dense batches)."""
-        return self.packed_seq_params_for(self.current_layout)
-
-    def packed_seq_params_for(self, layout: CPLayout) -> PackedSeqParams | None:
-        """Return the packed metadata describing tokens held in ``layout``."""
-        if layout == CPLayout.ZIGZAG and self.cp_size > 1:
-            return self.zigzag_packed_seq_params
-        return self.contiguous_packed_seq_params
-
     def enter_layer(self, layer_index: int, layout: CPLayout, hidden_states: torch.Tensor) -> torch.Tensor:
         """Convert a wrapped layer's input to its layout and make that layout current."""
         converted = hidden_states
@@ -87,9 +75,9 @@ class ContextParallelStep:
 
     def convert(self, tensor: torch.Tensor, source: CPLayout, target: CPLayout) -> torch.Tensor:
         """Convert a batch-first per-token tensor between layouts with this step's plan."""
-        if source == target or self.conversion_state is None:
+        if source == target or self.layout_state is None:
             return tensor
-        return self.conversion_state.convert(tensor, source, target)
+        return self.layout_state.convert(tensor, source, target)
 
     def convert_side_input(self, tensor: torch.Tensor, layout: CPLayout) -> torch.Tensor:
         """Convert a per-token side input from the boundary layout to ``layout``, once per step unless it needs grad."""
@@ -147,7 +135,7 @@ def local_attention(
     if cu_seqlens is None:
         segments = [(query, key, value)]
     else:
-        offsets = [int(offset) for offset in cu_seqlens.tolist()]
+        offsets = host_offsets(cu_seqlens)
         lengths = [end - start for start, end in zip(offsets, offsets[1:], strict=False)] + [q.shape[1] - offsets[-1]]
         lengths = [length for length in lengths if length > 0]
         segments = list(zip(*(tensor.split(lengths, dim=2) for tensor in (query, key, value)), strict=True))
@@ -186,27 +174,19 @@ def cp_attention(
     layout = step.current_layout
     if layout != CPLayout.ZIGZAG:
         q, k, v = (step.convert(tensor, layout, CPLayout.ZIGZAG) for tensor in (q, k, v))
-    if step.is_packed:
-        output = zigzag_attention(
-            q[0],
-            k[0],
-            v[0],
-            step.cp_group,
-            packed_seq_params=step.zigzag_packed_seq_params,
-            causal=causal,
-            softmax_scale=softmax_scale,
-            mode=step.attention_mode,
-        ).unsqueeze(0)
-    else:
-        output = zigzag_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
-            step.cp_group,
-            causal=causal,
-            softmax_scale=softmax_scale,
-            mode=step.attention_mode,
-        ).transpose(0, 1)
+    packed = step.is_packed  # packed: [1, T, H, D] -> [T, H, D]; dense: [B, S, H, D] -> [S, B, H, D]
+    q, k, v = (tensor[0] if packed else tensor.transpose(0, 1) for tensor in (q, k, v))
+    output = zigzag_attention(
+        q,
+        k,
+        v,
+        step.cp_group,
+        packed_seq_params=step.zigzag_packed_seq_params if packed else None,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        mode=step.attention_mode,
+    )
+    output = output.unsqueeze(0) if packed else output.transpose(0, 1)
     if layout != CPLayout.ZIGZAG:
         output = step.convert(output, CPLayout.ZIGZAG, layout)
     return output

@@ -479,17 +479,8 @@ def contiguous_to_zigzag(
     seq_dim: int = 0,
 ) -> torch.Tensor:
     """Convert contiguous CP sequence shards to Megatron's zigzag attention layout."""
-    return _convert(
-        input_,
-        cp_group,
-        CPLayout.CONTIGUOUS,
-        CPLayout.ZIGZAG,
-        sequence_parallel,
-        tp_group,
-        tp_cp_group,
-        thd_plan,
-        seq_dim,
-    )
+    groups = (cp_group, sequence_parallel, tp_group, tp_cp_group)
+    return _convert(input_, CPLayout.CONTIGUOUS, CPLayout.ZIGZAG, *groups, thd_plan, seq_dim)
 
 
 def zigzag_to_contiguous(
@@ -503,24 +494,15 @@ def zigzag_to_contiguous(
     seq_dim: int = 0,
 ) -> torch.Tensor:
     """Convert Megatron's zigzag attention shards back to contiguous CP shards."""
-    return _convert(
-        input_,
-        cp_group,
-        CPLayout.ZIGZAG,
-        CPLayout.CONTIGUOUS,
-        sequence_parallel,
-        tp_group,
-        tp_cp_group,
-        thd_plan,
-        seq_dim,
-    )
+    groups = (cp_group, sequence_parallel, tp_group, tp_cp_group)
+    return _convert(input_, CPLayout.ZIGZAG, CPLayout.CONTIGUOUS, *groups, thd_plan, seq_dim)
 
 
 def _convert(
     input_: torch.Tensor,
-    cp_group: ProcessGroup,
     source_layout: CPLayout | str,
     target_layout: CPLayout | str,
+    cp_group: ProcessGroup,
     sequence_parallel: bool,
     tp_group: ProcessGroup | None,
     tp_cp_group: ProcessGroup | None,
@@ -528,21 +510,12 @@ def _convert(
     seq_dim: int,
 ) -> torch.Tensor:
     """Dispatch a conversion to the packed path when a THD plan is given and to the dense path otherwise."""
+    groups = (sequence_parallel, tp_group, tp_cp_group)
     if thd_plan is not None:
         return _redistribute_thd_layout(
-            input_,
-            cp_group,
-            thd_plan,
-            source_layout,
-            target_layout,
-            sequence_parallel,
-            tp_group,
-            tp_cp_group,
-            seq_dim=seq_dim,
+            input_, cp_group, thd_plan, source_layout, target_layout, *groups, seq_dim=seq_dim
         )
-    return _redistribute_layout(
-        input_, cp_group, source_layout, target_layout, sequence_parallel, tp_group, tp_cp_group, seq_dim=seq_dim
-    )
+    return _redistribute_layout(input_, cp_group, source_layout, target_layout, *groups, seq_dim=seq_dim)
 
 
 @dataclass
@@ -591,17 +564,8 @@ class ContextParallelLayoutManager:
         thd_plan: THDCPLayoutPlan | None = None,
     ) -> torch.Tensor:
         """Convert ``hidden_states`` between two layouts with this manager's groups and ``seq_dim``."""
-        return _convert(
-            hidden_states,
-            self.cp_group,
-            source_layout,
-            target_layout,
-            self.sequence_parallel,
-            self.tp_group,
-            self.tp_cp_group,
-            thd_plan,
-            self.seq_dim,
-        )
+        groups = (self.cp_group, self.sequence_parallel, self.tp_group, self.tp_cp_group)
+        return _convert(hidden_states, source_layout, target_layout, *groups, thd_plan, self.seq_dim)
 
     def prepare_layer_input(
         self,

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from lightning_cp import attention
 from lightning_cp import attention_kernels as kernels
 from lightning_cp.attention import attention_work_per_rank, zigzag_attention
-from lightning_cp.packed import PackedSeqParams
+from lightning_cp.packed import PackedSeqParams, host_offsets
 from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
 
 CP = 2
@@ -91,6 +91,15 @@ def _pairs(block: kernels.Block) -> int:
     if block.causal:
         return rows * (rows + 1) // 2
     return rows * cols if block.mask is None else int(block.mask.sum())
+
+
+def test_host_offsets_are_read_once_and_follow_in_place_changes():
+    offsets = torch.tensor([0, 3, 8], dtype=torch.int32)
+    first = host_offsets(offsets)
+    assert first == [0, 3, 8] and host_offsets(offsets) is first
+    offsets[2] = 9
+    assert host_offsets(offsets) == [0, 3, 9]
+    assert host_offsets(torch.tensor([0, 5], dtype=torch.int32)) == [0, 5]
 
 
 def test_work_per_rank_counts_the_pairs_the_plan_computes():

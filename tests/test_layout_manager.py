@@ -155,6 +155,57 @@ def test_manager_walks_convert_only_at_layout_changes():
     assert run_on_ranks(_manager_checks, 2, timeout=120) == ["ok", "ok"]
 
 
+def _conversion_state_check() -> str:
+    """``build_conversion_state`` without a layout transition: a working plan and zigzag metadata; None at cp=1."""
+    calls = _count_all_to_all_calls()
+    rank = dist.get_rank()
+    cp_group = dist.new_group([0, 1])
+    single_rank_groups = [dist.new_group([r]) for r in range(2)]
+    cu = [0, 3, 8]
+    positions, offsets = thd_positions(cu, None, 2, 1)
+    assert offsets == [0, 4, 12] and positions[rank] == [[0, -1, 3, 4, -1, -1], [1, 2, 5, 6, 7, -1]][rank]
+    cu_tensor = torch.tensor(cu, dtype=torch.int32)
+    params = PackedSeqParams(cu_seqlens_q=cu_tensor, cu_seqlens_kv=cu_tensor, max_seqlen_q=5, max_seqlen_kv=5)
+    manager = ContextParallelLayoutManager(("contiguous",) * 2, "contiguous", False, cp_group, seq_dim=1)
+    assert not manager.requires_conversion and manager.build_forward_state(params) is None
+
+    state = manager.build_conversion_state(params)
+    zigzag = state.zigzag_packed_seq_params
+    assert state.contiguous_packed_seq_params is params and state.thd_plan is not None
+    assert zigzag.cu_seqlens_q_padded.tolist() == offsets and zigzag.cu_seqlens_kv_padded.tolist() == offsets
+    assert zigzag.cu_seqlens_q.tolist() == cu and zigzag.qkv_format == "thd"
+    assert zigzag.max_seqlen_q == 8 and zigzag.max_seqlen_kv == 8
+    assert zigzag.total_tokens is None and zigzag.seq_idx is None and zigzag.pad_between_seqs is True
+    stream = _integers((8, 3), seed=3)
+    own = list(range(rank * 4, rank * 4 + 4))
+    local = stream[own].unsqueeze(0)
+    start = len(calls)
+    for index in range(2):
+        layer_input, layer_params = state.prepare_layer(index, local)
+        assert layer_input is local and layer_params is params
+        assert state.finalize_layer(index, local) is local
+    assert len(calls) == start
+    to_zigzag = state.convert(local, "contiguous", "zigzag")
+    assert torch.equal(to_zigzag, take(stream, positions[rank]).unsqueeze(0))
+    assert torch.equal(state.convert(to_zigzag, "zigzag", "contiguous"), local)
+    assert len(calls) - start == 2
+
+    dense_state = manager.build_conversion_state(None)
+    assert dense_state.thd_plan is None and dense_state.zigzag_packed_seq_params is None
+    sequence = _integers((2, 8, 3), seed=4)
+    dense_local = take(sequence, dense_positions("contiguous", 2, 1, 8)[rank], 1)
+    expected = take(sequence, dense_positions("zigzag", 2, 1, 8)[rank], 1)
+    assert torch.equal(dense_state.convert(dense_local, "contiguous", "zigzag"), expected)
+
+    cp1 = ContextParallelLayoutManager(WALK, "contiguous", False, single_rank_groups[rank], seq_dim=1)
+    assert cp1.build_conversion_state(params) is None and cp1.build_conversion_state(None) is None
+    return "ok"
+
+
+def test_conversion_state_without_layout_transition():
+    assert run_on_ranks(_conversion_state_check, 2, timeout=120) == ["ok", "ok"]
+
+
 def _sequence_parallel_manager_check() -> str:
     """Packed walk over tp2 x cp2 with sequence parallelism: metadata and values per layer."""
     cp_group, tp_group, tp_cp_group, cp_rank, tp_rank = make_groups(2, 2, tp_fastest=False)
