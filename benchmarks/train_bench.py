@@ -269,9 +269,7 @@ def report(args: argparse.Namespace, results: dict[int, list[dict[str, Any]]], w
     if 1 in results:
         lines += [
             "",
-            "cp=1 runs without CP through `lightning_cp.context.local_attention`, which masks packed documents with a "
-            "dense T x T mask (SDPA math path): its memory grows quadratically, so the cp=1 -> cp=2 step is that path; "
-            "compare cp=2 with cp=4 for the CP scaling.",
+            "cp=1 runs without CP: single-device attention per document (`lightning_cp.context.local_attention`).",
         ]
     lines += [
         "",
