@@ -16,7 +16,7 @@ from lightning_cp.context import ContextParallelStep, activated
 from lightning_cp.layout import CPLayout
 from tests.distributed_harness import run_on_ranks
 from tests.test_strategy import HYBRID, POLICY, TRAINER_OPTIONS
-from tests.test_strategy_models import TinyTransformer, dense_batches, packed_batches
+from tests.test_strategy_models import TinyTransformer, dense_batches, packed_batches, reference_run
 
 torch.set_num_threads(1)
 METRICS = ("cp/tokens", "cp/padding_fraction", "cp/attention_imbalance", "cp/layout_conversions")
@@ -55,12 +55,20 @@ def fit_plain_lightning() -> dict[str, Any]:
         "metrics": {name: float(value) for name, value in trainer.callback_metrics.items()},
         "wrapped": [wrapped.name for wrapped in callback.wrapped_layers],
         "layouts": [layout for _, layout, _ in model.seen_layouts],
+        "losses": model.train_losses,
+        "indices": model.batch_indices,
     }
 
 
 def test_plain_lightning_gets_the_batch_contract_and_an_unchanged_state_dict() -> None:
-    """Without ``cp_zigzag`` the callback runs at cp=1: no conversions, hooks removed at teardown, metrics logged."""
+    """Without ``cp_zigzag`` the callback runs at cp=1: no conversions, hooks removed at teardown, metrics logged;
+    the losses equal the independent reference, so labels, positions and the token count follow the batch contract."""
     (result,) = run_on_ranks(fit_plain_lightning, 1, init_process_group=False)
+    assert result["indices"] == [0, 1]
+    reference_losses, _ = reference_run(HYBRID, packed_batches(2), [[0], [1]])
+    assert len(result["losses"]) == 2
+    for actual, (expected,) in zip(result["losses"], reference_losses, strict=True):
+        assert abs(actual - expected) <= 1e-9 * expected, f"{actual} != {expected}"
     assert result["same_keys"]
     assert result["hooks_left"] == 0
     assert result["wrapped"] == [f"blocks.{index}" for index in range(5)]

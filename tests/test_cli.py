@@ -123,7 +123,8 @@ def test_own_module_example_trains() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert float(result.stdout.strip().splitlines()[-1].split()[-1]) < 5.6
+    # the untrained model starts near 6.0 and a uniform guess over 257 bytes is ln 257 = 5.55; 6 steps reach ~4.6
+    assert float(result.stdout.strip().splitlines()[-1].split()[-1]) < 5.0
 
 
 def test_resume_after_a_kill_continues_with_the_same_steps_and_losses(full_run: Path) -> None:

@@ -151,6 +151,11 @@ def _bad_total_tokens_on_cp3() -> None:
     build_thd_cp_layout_plan(_int32([0, 3, 8]), 12, cp_group)
 
 
+def _indivisible_token_count_on_cp3() -> None:
+    cp_group = make_groups(3, 1)[0]
+    build_thd_cp_layout_plan(_int32([0, 3, 8]), 8, cp_group)
+
+
 def _wrong_plan_input_on_cp3() -> None:
     cp_group = make_groups(3, 1)[0]
     plan = build_thd_cp_layout_plan(_int32([0, 3, 9]), 9, cp_group)
@@ -161,6 +166,7 @@ def _wrong_plan_input_on_cp3() -> None:
     ("rank_function", "fragment"),
     [
         (_bad_total_tokens_on_cp3, "total_tokens is 12, but the physical token count of the packed sequences is 8"),
+        (_indivisible_token_count_on_cp3, "packed token count 8 is not divisible by cp_size * tp_size = 3 * 1"),
         (_wrong_plan_input_on_cp3, "THD plan expects 3 local tokens in the contiguous layout"),
     ],
 )

@@ -88,8 +88,12 @@ def test_activation_checkpointing_gives_the_same_gradients() -> None:
     plain, checkpointed = _model(), _model(activation_checkpointing=True)
     batch = collate_packed(pack_documents([list(range(30, 50)), list(range(70, 80))], budget=64))
     grads = []
-    for model in (plain, checkpointed):
+    for model, runs_per_layer in ((plain, 1), (checkpointed, 2)):
+        calls: list[int] = []
+        for layer in model.model.layers:
+            layer.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1), with_kwargs=True)
         model._loss(dict(batch)).loss.backward()
+        assert len(calls) == runs_per_layer * len(model.model.layers), "checkpointed layers recompute in backward"
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

@@ -85,6 +85,7 @@ def fit_on_rank(world_size: int, runs: list[FitRun]) -> list[dict[str, Any]]:
                 "conversions": model.forward_conversions,
                 "dp_rank": mesh.dp_rank,
                 "cp_rank": mesh.cp_rank,
+                "dims": (mesh.dims.data_parallel, mesh.dims.context_parallel, mesh.dims.tensor_parallel),
             }
         )
     return results
@@ -163,9 +164,13 @@ def expected_positions(batch: dict[str, torch.Tensor], cp: int, tp: int, cp_rank
     return seen
 
 
-def expected_layouts(kinds: tuple[str, ...]) -> list[tuple[str, str]]:
-    """Return the layout each block asked for: zigzag for attention, contiguous for recurrent."""
+def expected_layouts(kinds: tuple[str, ...], run: FitRun | None = None) -> list[tuple[str, str]]:
+    """Return the layout each block runs in: zigzag for attention, contiguous for recurrent under ``POLICY``;
+    the boundary layout for every block when the run wraps no layers."""
     names = {"attention": ("AttentionBlock", "zigzag"), "recurrent": ("RecurrentBlock", "contiguous")}
+    if run is not None and run.policy == UNWRAPPED:
+        boundary = run.strategy.get("boundary_layout", CPLayout.CONTIGUOUS.value)
+        return [(names[kind][0], boundary) for kind in kinds]
     return [names[kind] for kind in kinds]
 
 
@@ -173,6 +178,13 @@ def layout_changes(kinds: tuple[str, ...], boundary: str) -> int:
     """Count the layout changes along boundary, blocks, boundary."""
     layouts = [boundary, *(layout for _, layout in expected_layouts(kinds)), boundary]
     return sum(before != after for before, after in zip(layouts, layouts[1:], strict=False))
+
+
+def expected_dims(world_size: int, run: FitRun) -> tuple[int, int, int]:
+    """Return the (dp, cp, tp) sizes the run's strategy arguments ask for (cp defaults to every device)."""
+    cp = run.strategy.get("context_parallel_size", world_size)
+    tp = run.strategy.get("tensor_parallel_size", 1)
+    return world_size // (cp * tp), cp, tp
 
 
 def assert_close(actual: float, expected: float, what: str) -> None:
@@ -186,7 +198,10 @@ def test_training_matches_one_process(name: str) -> None:
     world_size, run = RUNS[name]
     index = (WORLD_2_RUNS if world_size == 2 else WORLD_4_RUNS).index(run)
     per_rank = [rank_results[index] for rank_results in launch(world_size)]
+    dims = expected_dims(world_size, run)
+    assert all(result["dims"] == dims for result in per_rank), f"{name}: mesh {per_rank[0]['dims']}, not {dims}"
     replicas = sorted({result["dp_rank"] for result in per_rank})
+    assert replicas == list(range(dims[0])), f"{name}: replicas {replicas}"
     indices_by_replica = {}
     for replica in replicas:
         members = [result for result in per_rank if result["dp_rank"] == replica]
@@ -198,6 +213,7 @@ def test_training_matches_one_process(name: str) -> None:
     assert all(len(set(step_indices)) == len(replicas) for step_indices in order), "replicas shared a batch"
     reference_losses, reference_weights = reference_run(run.kinds, run.batches, order)
     for result in per_rank:
+        assert len(result["losses"]) == STEPS, f"{name}: {len(result['losses'])} steps"
         for step in range(STEPS):
             expected = reference_losses[step][replicas.index(result["dp_rank"])]
             assert_close(result["losses"][step], expected, f"{name} step {step} loss")
@@ -208,19 +224,19 @@ def test_training_matches_one_process(name: str) -> None:
             assert error <= 1e-9 * scale, f"{name} {parameter}: max error {error} vs scale {scale}"
 
 
-@pytest.mark.parametrize("name", [name for name, (_, run) in RUNS.items() if run.kinds == HYBRID])
+@pytest.mark.parametrize("name", list(RUNS))
 def test_each_block_sees_its_layout_and_conversions_match_layout_changes(name: str) -> None:
-    """Attention blocks get zigzag input, recurrent ones contiguous (checked on the converted position ids); each
-    forward converts once per layout change."""
+    """Attention blocks get zigzag input, recurrent ones contiguous, unwrapped blocks the boundary layout (checked on
+    the converted position ids, so every run is shown to shard); each forward converts once per layout change."""
     world_size, run = RUNS[name]
     index = (WORLD_2_RUNS if world_size == 2 else WORLD_4_RUNS).index(run)
     boundary = run.strategy.get("boundary_layout", CPLayout.CONTIGUOUS.value)
-    cp = run.strategy.get("context_parallel_size", world_size)
-    tp = run.strategy.get("tensor_parallel_size", 1)
+    _, cp, tp = expected_dims(world_size, run)
+    changes = 0 if run.policy == UNWRAPPED else layout_changes(run.kinds, boundary)
     for rank_results in launch(world_size):
         result = rank_results[index]
-        assert [(name, layout) for name, layout, _ in result["layouts"]] == expected_layouts(run.kinds)
+        assert [(name, layout) for name, layout, _ in result["layouts"]] == expected_layouts(run.kinds, run)
         first_batch = run.batches[result["indices"][0]]
         for _, layout, positions in result["layouts"]:
             assert positions == expected_positions(first_batch, cp, tp, result["cp_rank"], layout)
-        assert result["conversions"] == [layout_changes(run.kinds, boundary)] * STEPS
+        assert result["conversions"] == [changes] * STEPS

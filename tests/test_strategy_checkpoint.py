@@ -42,8 +42,9 @@ def train_and_save(world_size: int, path: str, strategy: dict[str, Any], tensor_
 
 def validate_checkpoint(
     world_size: int, path: str, strategy: dict[str, Any] | None, tensor_parallel: bool
-) -> list[float]:
-    """Load the checkpoint into a fresh model and return its validation losses; ``strategy=None`` is plain Lightning.
+) -> dict[str, Any]:
+    """Load the checkpoint into a fresh model; return its validation losses and the mesh sizes (``None`` for plain
+    Lightning, which ``strategy=None`` selects).
 
     ``cp_zigzag`` adds its default callback, whose default policy also fits the hybrid model.
     """
@@ -56,14 +57,22 @@ def validate_checkpoint(
         **TRAINER_OPTIONS,
     )
     trainer.validate(model, DataLoader(validation_batches(), batch_size=None), ckpt_path=path, verbose=False)
-    return model.val_losses
+    if plain:
+        return {"losses": model.val_losses, "dims": None}
+    dims = trainer.strategy.cp_mesh.dims
+    return {"losses": model.val_losses, "dims": (dims.data_parallel, dims.context_parallel, dims.tensor_parallel)}
 
 
-LOADERS = {
-    "plain Lightning, one device": (1, None, False),
-    "cp_zigzag cp=1": (1, {}, False),
-    "cp_zigzag cp=4": (4, {}, False),
-    "cp_zigzag cp2 x tp2, tensor parallel": (4, {"context_parallel_size": 2, "tensor_parallel_size": 2}, True),
+LOADERS = {  # name -> (world size, strategy arguments or None for plain Lightning, tensor parallel, (dp, cp, tp))
+    "plain Lightning, one device": (1, None, False, None),
+    "cp_zigzag cp=1": (1, {}, False, (1, 1, 1)),
+    "cp_zigzag cp=4": (4, {}, False, (1, 4, 1)),
+    "cp_zigzag cp2 x tp2, tensor parallel": (
+        4,
+        {"context_parallel_size": 2, "tensor_parallel_size": 2},
+        True,
+        (1, 2, 2),
+    ),
 }
 
 
@@ -71,11 +80,13 @@ def assert_loads_everywhere(path: str, expected: list[float], loaders: list[str]
     """Validate the checkpoint under each named loader and compare with the losses measured when it was saved."""
     assert len(expected) == 2
     for where in loaders:
-        world_size, strategy, tensor_parallel = LOADERS[where]
+        world_size, strategy, tensor_parallel, dims = LOADERS[where]
         per_rank = run_on_ranks(
             validate_checkpoint, world_size, world_size, path, strategy, tensor_parallel, init_process_group=False
         )
-        for losses in per_rank:
+        for result in per_rank:
+            assert result["dims"] == dims, f"{where}: mesh {result['dims']}"
+            losses = result["losses"]
             assert len(losses) == len(expected), where
             for actual, reference in zip(losses, expected, strict=True):
                 assert abs(actual - reference) <= 1e-9 * reference, f"{where}: {actual} != {reference}"
@@ -129,22 +140,36 @@ class RankStampedModel(TinyTransformer):
         """Record the weights evaluation starts from."""
         self.bias_at_validation = self.head.bias[0].item()
 
+    def on_test_start(self) -> None:
+        """Record the weights testing starts from."""
+        self.bias_at_validation = self.head.bias[0].item()
 
-def validate_rank_stamped(world_size: int) -> dict[str, Any]:
-    """Validate the stamped model at cp2 x tp2 and report the mesh and weights it saw."""
-    model = RankStampedModel()
-    trainer = pl.Trainer(
-        devices=world_size,
-        strategy=CPZigzagStrategy(context_parallel_size=2, tensor_parallel_size=2),
-        **TRAINER_OPTIONS,
-    )
-    trainer.validate(model, DataLoader(validation_batches(), batch_size=None), verbose=False)
-    return {"mesh": model.mesh_seen, "bias": model.bias_at_validation}
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """Evaluate like ``validation_step``."""
+        self.validation_step(batch, batch_idx)
 
 
-def test_validate_syncs_weights_over_dp_x_cp_only_and_module_gets_the_mesh() -> None:
+def evaluate_rank_stamped(world_size: int) -> dict[str, dict[str, Any]]:
+    """Validate, then test, a fresh stamped model at cp2 x tp2; report the mesh and weights each stage saw."""
+    results = {}
+    for stage in ("validate", "test"):
+        os.environ["WORLD_SIZE"] = str(world_size)  # Lightning's teardown removes it
+        model = RankStampedModel()
+        trainer = pl.Trainer(
+            devices=world_size,
+            strategy=CPZigzagStrategy(context_parallel_size=2, tensor_parallel_size=2),
+            **TRAINER_OPTIONS,
+        )
+        getattr(trainer, stage)(model, DataLoader(validation_batches(), batch_size=None), verbose=False)
+        results[stage] = {"mesh": model.mesh_seen, "bias": model.bias_at_validation}
+    return results
+
+
+def test_validate_and_test_sync_weights_over_dp_x_cp_only_and_module_gets_the_mesh() -> None:
     """cp2 x tp2 (TP fastest): ranks 0, 2 take rank 0's weights, ranks 1, 3 keep rank 1's; not rank 0's everywhere."""
-    results = run_on_ranks(validate_rank_stamped, 4, 4, init_process_group=False)
-    for result in results:
-        assert result["mesh"] == {"names": ("data_parallel", "context_parallel", "tensor_parallel"), "shape": (1, 2, 2)}
-    assert [result["bias"] for result in results] == [0.0, 1.0, 0.0, 1.0]
+    results = run_on_ranks(evaluate_rank_stamped, 4, 4, init_process_group=False)
+    for stage in ("validate", "test"):
+        for result in results:
+            mesh = {"names": ("data_parallel", "context_parallel", "tensor_parallel"), "shape": (1, 2, 2)}
+            assert result[stage]["mesh"] == mesh, stage
+        assert [result[stage]["bias"] for result in results] == [0.0, 1.0, 0.0, 1.0], stage
