@@ -3,10 +3,10 @@
 For each context-parallel size the driver starts one worker (``--worker``) on ``cp`` CPU processes through
 Lightning's launcher. The worker trains the reference model on one synthetic document of ``S`` tokens for every
 sequence length in ascending order and records, per rank: the median step time, the peak resident memory above the
-worker's baseline, and the time spent in layout conversions (``layout._move_segments`` / ``_move_tokens``, forward and
-backward) and in attention communication (K/V all-gather forward/backward, ring transfers). A cp stops growing ``S``
-once a rank's peak memory passes ``--stop-mib`` or a step takes longer than ``--max-step-s``; the longest sequence
-that trains under the per-rank cap ``--cap-mib`` is the longest measured one whose peak stays below it.
+worker's baseline, and the time spent in layout conversions (``layout_movers._move_segments`` / ``_move_tokens``,
+forward and backward) and in attention communication (K/V all-gather forward/backward, ring transfers). A cp stops
+growing ``S`` once a rank's peak memory passes ``--stop-mib`` or a step takes longer than ``--max-step-s``; the longest
+sequence that trains under the per-rank cap ``--cap-mib`` is the longest measured one whose peak stays below it.
 
     python benchmarks/train_bench.py            # 4k..64k, cp 1, 2, 4
     python benchmarks/train_bench.py --quick    # 1k..8k, a minute or two
@@ -91,10 +91,10 @@ class Timers:
 
     def install(self) -> None:
         """Time layout conversions and attention communication (forward and backward)."""
-        from lightning_cp import comm, layout
+        from lightning_cp import comm, layout_movers
 
-        layout._move_segments = self.wrap("layout", layout._move_segments)
-        layout._move_tokens = self.wrap("layout", layout._move_tokens)
+        layout_movers._move_segments = self.wrap("layout", layout_movers._move_segments)
+        layout_movers._move_tokens = self.wrap("layout", layout_movers._move_tokens)
         gather = comm._AllGatherStack
         gather.forward = staticmethod(self.wrap("attention_comm", gather.forward))
         gather.backward = staticmethod(self.wrap("attention_comm", gather.backward))

@@ -1,23 +1,20 @@
 """Context-parallel sequence-layout conversion: contiguous <-> zigzag shards, dense and packed, with a layer manager.
 
-Plans are built by the pure functions of ``layout_plans`` (re-exported here); this module resolves process groups,
-moves data with one all-to-all-v per conversion (``comm.all_to_all_v_into``, inside autograd functions whose backward
-is the inverse conversion) and tracks layouts across a stack of layers.
+Plans are built by the pure functions of ``layout_plans`` (re-exported here) and data is moved by ``layout_movers``
+(one all-to-all-v per conversion, inside autograd functions whose backward is the inverse conversion); this module
+checks inputs, resolves process groups and tracks layouts across a stack of layers.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch.distributed import ProcessGroup
 
 from lightning_cp import comm
+from lightning_cp.layout_movers import _SegmentRedistribution, _THDRedistribution, _token_moves
 from lightning_cp.layout_plans import (
     CPLayout,
     THDCPLayoutPlan,
@@ -119,160 +116,6 @@ def _normalize_seq_dim(input_: torch.Tensor, seq_dim: int) -> int:
     return seq_dim % input_.dim()
 
 
-def _as_rows(input_: torch.Tensor, seq_dim: int) -> torch.Tensor:
-    """View ``input_`` as ``[before, sequence, after]`` (a copy only when it is not contiguous)."""
-    shape = input_.shape
-    return input_.reshape(math.prod(shape[:seq_dim]), shape[seq_dim], math.prod(shape[seq_dim + 1 :]))
-
-
-def _resized(shape: torch.Size, seq_dim: int, length: int) -> tuple[int, ...]:
-    """Return ``shape`` with its sequence dimension set to ``length``."""
-    return (*shape[:seq_dim], length, *shape[seq_dim + 1 :])
-
-
-class _StagingBuffers(threading.local):
-    """Per-thread reusable host buffers for send and receive staging.
-
-    Fresh large host allocations page-fault on every call, which costs more than the copies themselves, so CPU
-    conversions stage through buffers that stay mapped; other devices allocate (their caching allocators reuse).
-    """
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
-
-    def get(self, role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Return an uninitialised ``shape`` tensor for ``role`` ("send" or "receive") on ``device``."""
-        if device.type != "cpu":
-            return torch.empty(shape, dtype=dtype, device=device)
-        byte_count = math.prod(shape) * dtype.itemsize
-        buffer = self.buffers.get((role, device))
-        if buffer is None or buffer.numel() < byte_count:
-            buffer = torch.empty(byte_count, dtype=torch.uint8, device=device)
-            self.buffers[(role, device)] = buffer
-        return buffer[:byte_count].view(dtype).view(shape)
-
-
-_staging = _StagingBuffers()
-
-
-def _carried_as_bytes(move: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """Wrap a data mover so bool tensors travel as uint8 (gloo has no bool type) and come back as bool."""
-
-    @functools.wraps(move)
-    def wrapper(input_: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if input_.dtype != torch.bool:
-            return move(input_, *args, **kwargs)
-        return move(input_.view(torch.uint8), *args, **kwargs).view(torch.bool)
-
-    return wrapper
-
-
-@dataclass(frozen=True)
-class _SegmentMoves:
-    """How one rank's segments move: kept runs copied locally, the rest through the all-to-all (self split 0)."""
-
-    kept_runs: tuple[tuple[int, int, int], ...]
-    sent_slots: tuple[int, ...]
-    received_slots: tuple[int, ...]
-    input_segment_counts: tuple[int, ...]
-    output_segment_counts: tuple[int, ...]
-
-
-def _runs(pairs: list[tuple[int, int]]) -> tuple[tuple[int, int, int], ...]:
-    """Merge ``(source, target)`` slot pairs into ``(source, target, count)`` runs that advance together."""
-    runs: list[list[int]] = []
-    for source, target in pairs:
-        if runs and source == runs[-1][0] + runs[-1][2] and target == runs[-1][1] + runs[-1][2]:
-            runs[-1][2] += 1
-        else:
-            runs.append([source, target, 1])
-    return tuple((source, target, count) for source, target, count in runs)
-
-
-@functools.lru_cache(maxsize=1024)
-def _segment_moves(plan: _LayoutRedistributionPlan, own_rank: int) -> _SegmentMoves:
-    """Split ``plan`` into the segments ``own_rank`` keeps and those it exchanges, in all-to-all order."""
-    send_start = sum(plan.input_segment_counts[:own_rank])
-    receive_start = sum(plan.output_segment_counts[:own_rank])
-    kept = plan.input_segment_counts[own_rank]
-    target_of_received = [0] * len(plan.receive_permutation)
-    for slot, index in enumerate(plan.receive_permutation):
-        target_of_received[index] = slot
-    pairs = [(plan.send_slots[send_start + k], target_of_received[receive_start + k]) for k in range(kept)]
-    input_counts, output_counts = list(plan.input_segment_counts), list(plan.output_segment_counts)
-    input_counts[own_rank] = output_counts[own_rank] = 0
-    return _SegmentMoves(
-        kept_runs=_runs(sorted(pairs)),
-        sent_slots=plan.send_slots[:send_start] + plan.send_slots[send_start + kept :],
-        received_slots=tuple(target_of_received[:receive_start] + target_of_received[receive_start + kept :]),
-        input_segment_counts=tuple(input_counts),
-        output_segment_counts=tuple(output_counts),
-    )
-
-
-def _consecutive(slots: tuple[int, ...]) -> bool:
-    """Whether ``slots`` is one increasing run of adjacent slots (or empty)."""
-    return all(b == a + 1 for a, b in zip(slots, slots[1:], strict=False))
-
-
-@_carried_as_bytes
-def _move_segments(
-    input_: torch.Tensor, plan: _LayoutRedistributionPlan, group: ProcessGroup, seq_dim: int, own_rank: int
-) -> torch.Tensor:
-    """Send whole sequence segments per ``plan``; one fresh output, staging copies only where order changes.
-
-    Segments that stay on this rank never enter the all-to-all: they are copied straight into the output. The moving
-    segments travel as a view of the input and arrive in place in the output when they form one run in rank order.
-    """
-    moves = _segment_moves(plan, own_rank)
-    rows = _as_rows(input_, seq_dim)
-    before, length, after = rows.shape
-    segment_count = len(plan.send_slots)
-    segment_length = length // segment_count
-    segments = rows.view(before, segment_count, segment_length, after)
-    output = torch.empty(input_.shape, dtype=input_.dtype, device=input_.device)
-    placed = output.view(before, segment_count, segment_length, after)
-    for source, target, count in moves.kept_runs:
-        placed[:, target : target + count].copy_(segments[:, source : source + count])
-    sent, received_slots = moves.sent_slots, moves.received_slots
-    if before == 1 and _consecutive(sent):
-        first = sent[0] if sent else 0
-        send = segments[0, first : first + len(sent)].reshape(-1, after)
-    else:
-        send = _staging.get("send", (len(sent), before, segment_length, after), input_.dtype, input_.device)
-        for position, slot in enumerate(sent):
-            send[position].copy_(segments[:, slot])
-        send = send.view(-1, after)
-    rows_per_segment = before * segment_length
-    output_splits = [count * rows_per_segment for count in moves.output_segment_counts]
-    input_splits = [count * rows_per_segment for count in moves.input_segment_counts]
-    if before == 1 and _consecutive(received_slots):
-        first = received_slots[0] if received_slots else 0
-        landing = placed[0, first : first + len(received_slots)].view(-1, after)
-        comm.all_to_all_v_into(landing, send, output_splits, input_splits, group)
-        return output
-    shape = (len(received_slots), before, segment_length, after)
-    received = _staging.get("receive", shape, input_.dtype, input_.device)
-    comm.all_to_all_v_into(received.view(-1, after), send, output_splits, input_splits, group)
-    for index, slot in enumerate(received_slots):
-        placed[:, slot].copy_(received[index])
-    return output
-
-
-class _SegmentRedistribution(torch.autograd.Function):
-    """Dense layout conversion whose backward is the inverse conversion."""
-
-    @staticmethod
-    def forward(ctx, input_, plan, reverse_plan, group, seq_dim, own_rank):  # type: ignore[override]
-        ctx.reverse_plan, ctx.group, ctx.seq_dim, ctx.own_rank = reverse_plan, group, seq_dim, own_rank
-        return _move_segments(input_, plan, group, seq_dim, own_rank)
-
-    @staticmethod
-    def backward(ctx, grad_output):  # type: ignore[override]
-        grad_input = _move_segments(grad_output, ctx.reverse_plan, ctx.group, ctx.seq_dim, ctx.own_rank)
-        return grad_input, None, None, None, None, None
-
-
 def _redistribute_layout(
     input_: torch.Tensor,
     cp_group: ProcessGroup,
@@ -303,302 +146,18 @@ def _redistribute_layout(
     reverse_plan = _build_layout_redistribution_plan(
         target_layout, source_layout, *_plan_coordinates(context), context.group_rank_by_logical_rank
     )
-    own_rank = context.group_rank_by_logical_rank[context.cp_rank * context.tp_size + context.tp_rank]
+    own_rank = _own_group_rank(context)
     return _SegmentRedistribution.apply(input_, plan, reverse_plan, context.communication_group, seq_dim, own_rank)
+
+
+def _own_group_rank(context: _LayoutParallelContext) -> int:
+    """Return this rank's index in ``context.communication_group``."""
+    return context.group_rank_by_logical_rank[context.cp_rank * context.tp_size + context.tp_rank]
 
 
 def _plan_coordinates(context: _LayoutParallelContext) -> tuple[int, int, int, int]:
     """Return ``(cp_size, cp_rank, tp_size, tp_rank)`` of ``context`` for the plan builders."""
     return context.cp_size, context.cp_rank, context.tp_size, context.tp_rank
-
-
-def _zigzag_gather_indices(plan: THDCPLayoutPlan) -> torch.Tensor | None:
-    """For each zigzag slot, the arrival it takes (the count of arrivals for padding); None when arrivals fit as-is."""
-    if plan.forward_receive_is_identity:
-        return None
-    received_count = plan.forward_receive_positions.numel()
-    indices = torch.full(
-        (plan.zigzag_local_token_count,),
-        received_count,
-        dtype=torch.int64,
-        device=plan.forward_receive_positions.device,
-    )
-    indices[plan.forward_receive_positions] = torch.arange(received_count, device=indices.device)
-    return indices
-
-
-def _forward_send_padding_rows(plan: THDCPLayoutPlan) -> torch.Tensor:
-    """Rows of the forward send buffer that carry padding (taken from the plan when it lists them)."""
-    if plan.forward_send_padding_rows is not None:
-        return plan.forward_send_padding_rows
-    return torch.nonzero(plan.forward_send_indices < 0).flatten()
-
-
-_MIN_RUN_ROWS = 64
-"""A row map copies slice by slice when its runs average at least this many rows, and with index kernels otherwise."""
-
-
-@dataclass(frozen=True)
-class _RowMap:
-    """``destination[targets] = source[sources]`` along dim 0, as slice runs or as index tensors.
-
-    ``sources`` None reads all of ``source`` in order; ``targets`` None writes all of ``destination`` in order.
-    """
-
-    runs: tuple[tuple[int, int, int], ...] | None = None
-    sources: torch.Tensor | None = None
-    targets: torch.Tensor | None = None
-
-    @staticmethod
-    def build(sources: torch.Tensor, targets: torch.Tensor, source_rows: int, destination_rows: int) -> _RowMap:
-        """Map host int64 ``sources`` to ``targets`` (equally long); slice runs when they are long enough."""
-        count = sources.numel()
-        if count == 0:
-            return _RowMap(runs=())
-        breaks = torch.nonzero((sources[1:] - sources[:-1] != 1) | (targets[1:] - targets[:-1] != 1)).flatten()
-        if (breaks.numel() + 1) * _MIN_RUN_ROWS <= count:
-            starts = [0, *(breaks + 1).tolist()]
-            ends = [*starts[1:], count]
-            firsts = zip(sources[starts].tolist(), targets[starts].tolist(), strict=True)
-            return _RowMap(
-                runs=tuple((s, t, end - start) for (s, t), start, end in zip(firsts, starts, ends, strict=True))
-            )
-        every_source = count == source_rows and bool(torch.equal(sources, torch.arange(count)))
-        every_target = count == destination_rows and bool(torch.equal(targets, torch.arange(count)))
-        return _RowMap(sources=None if every_source else sources, targets=None if every_target else targets)
-
-    def to(self, device: torch.device) -> _RowMap:
-        """Return the map with its index tensors on ``device``."""
-        return _RowMap(
-            self.runs,
-            None if self.sources is None else self.sources.to(device),
-            None if self.targets is None else self.targets.to(device),
-        )
-
-    def apply(self, destination: torch.Tensor, source: torch.Tensor) -> None:
-        """Copy the mapped rows of ``source`` into ``destination``."""
-        if self.runs is not None:
-            for first_source, first_target, count in self.runs:
-                destination[first_target : first_target + count].copy_(source[first_source : first_source + count])
-        elif self.sources is None and self.targets is None:
-            destination.copy_(source)
-        elif self.targets is None and destination.is_contiguous():
-            torch.index_select(source, 0, self.sources, out=destination)
-        elif self.targets is None:
-            destination.copy_(source.index_select(0, self.sources))
-        elif self.sources is None:
-            destination.index_copy_(0, self.targets, source)
-        else:
-            destination.index_copy_(0, self.targets, source.index_select(0, self.sources))
-
-
-@dataclass(frozen=True)
-class _TokenMoves:
-    """One rank's packed conversion in one direction, with the tokens it keeps outside the all-to-all.
-
-    ``kept`` copies input tokens that stay on the rank straight into the output and ``zero_slots`` are output padding;
-    ``send`` gathers the moving tokens into the send buffer (``send_padding_rows`` zero) unless ``send_run`` names
-    them as one run of input rows; ``receive`` places arrivals unless ``receive_run`` names one run of output rows
-    they land on in order.
-    """
-
-    kept: _RowMap
-    zero_slots: torch.Tensor | None
-    send: _RowMap
-    send_padding_rows: torch.Tensor | None
-    send_count: int
-    send_run: int | None
-    receive: _RowMap
-    receive_count: int
-    receive_run: int | None
-    input_split_sizes: tuple[int, ...]
-    output_split_sizes: tuple[int, ...]
-
-
-def _first_of_run(indices: torch.Tensor) -> int | None:
-    """The first entry of ``indices`` when they count up by one (0 when empty); None otherwise."""
-    if indices.numel() == 0:
-        return 0
-    if indices.numel() > 1 and not bool((indices[1:] - indices[:-1] == 1).all()):
-        return None
-    return int(indices[0])
-
-
-def _without(length: int, start: int, count: int) -> torch.Tensor:
-    """``0 .. length - 1`` without ``start .. start + count - 1``."""
-    return torch.cat([torch.arange(start), torch.arange(start + count, length)])
-
-
-def _build_token_moves(
-    send_indices: torch.Tensor | None,
-    send_padding_rows: torch.Tensor | None,
-    input_split_sizes: tuple[int, ...],
-    output_split_sizes: tuple[int, ...],
-    input_length: int,
-    output_length: int,
-    receive_indices: torch.Tensor | None,
-    own_rank: int,
-) -> _TokenMoves:
-    """Split an all-to-all-v conversion (host index tensors) into kept tokens and the exchange of the others.
-
-    ``send_indices`` None sends the input as it is and ``send_padding_rows`` lists send rows that carry zeros;
-    ``receive_indices`` gives the arrival each output slot takes (None: arrivals in order; the arrival count:
-    padding). Arrivals from ``own_rank`` are its own send rows in order, so they are copied instead of sent.
-    """
-    sent, received = sum(input_split_sizes), sum(output_split_sizes)
-    kept_count = input_split_sizes[own_rank]
-    send_start, receive_start = sum(input_split_sizes[:own_rank]), sum(output_split_sizes[:own_rank])
-    sources = torch.arange(sent) if send_indices is None else send_indices
-    is_padding = torch.zeros(sent, dtype=torch.bool)
-    if send_padding_rows is not None:
-        is_padding[send_padding_rows] = True
-    slot_arrivals = torch.arange(output_length) if receive_indices is None else receive_indices
-    used = slot_arrivals < received
-    slot_of_arrival = torch.full((received,), -1, dtype=torch.int64)
-    slot_of_arrival[slot_arrivals[used]] = torch.nonzero(used).flatten()
-
-    kept_slots = slot_of_arrival[receive_start : receive_start + kept_count]
-    kept_sources = sources[send_start : send_start + kept_count]
-    kept_padding = is_padding[send_start : send_start + kept_count]
-    keep = (kept_slots >= 0) & ~kept_padding
-    kept = _RowMap.build(kept_sources[keep], kept_slots[keep], input_length, output_length)
-    zero_slots = torch.cat([torch.nonzero(~used).flatten(), kept_slots[(kept_slots >= 0) & kept_padding]])
-
-    moving_sources = sources[_without(sent, send_start, kept_count)]
-    moving_padding = is_padding[_without(sent, send_start, kept_count)]
-    send_count = moving_sources.numel()
-    token_rows = torch.nonzero(~moving_padding).flatten()
-    send = _RowMap.build(moving_sources[token_rows], token_rows, input_length, send_count)
-    has_padding = bool(moving_padding.any())
-    send_run = None if has_padding else _first_of_run(moving_sources)
-
-    moving_slots = slot_of_arrival[_without(received, receive_start, kept_count)]
-    receive_count = moving_slots.numel()
-    arrived = torch.nonzero(moving_slots >= 0).flatten()
-    receive = _RowMap.build(arrived, moving_slots[arrived], receive_count, output_length)
-    receive_run = _first_of_run(moving_slots) if arrived.numel() == receive_count else None
-
-    input_splits, output_splits = list(input_split_sizes), list(output_split_sizes)
-    input_splits[own_rank] = output_splits[own_rank] = 0
-    return _TokenMoves(
-        kept=kept,
-        zero_slots=zero_slots if zero_slots.numel() else None,
-        send=send,
-        send_padding_rows=torch.nonzero(moving_padding).flatten() if has_padding else None,
-        send_count=send_count,
-        send_run=send_run,
-        receive=receive,
-        receive_count=receive_count,
-        receive_run=receive_run,
-        input_split_sizes=tuple(input_splits),
-        output_split_sizes=tuple(output_splits),
-    )
-
-
-def _on_device(moves: _TokenMoves, device: torch.device) -> _TokenMoves:
-    """Return ``moves`` with its index tensors on ``device``."""
-    if device.type == "cpu":
-        return moves
-    return dataclasses.replace(
-        moves,
-        kept=moves.kept.to(device),
-        zero_slots=None if moves.zero_slots is None else moves.zero_slots.to(device),
-        send=moves.send.to(device),
-        send_padding_rows=None if moves.send_padding_rows is None else moves.send_padding_rows.to(device),
-        receive=moves.receive.to(device),
-    )
-
-
-def _token_moves(plan: THDCPLayoutPlan, to_zigzag: bool, own_rank: int) -> _TokenMoves:
-    """This rank's moves for converting with ``plan`` in one direction, built once per plan and kept on it."""
-    cache = plan.__dict__.setdefault("_token_moves", {})
-    key = (to_zigzag, own_rank)
-    if key in cache:
-        return cache[key]
-    host = {
-        name: getattr(plan, name).cpu()
-        for name in ("forward_send_indices", "reverse_send_indices", "reverse_receive_indices")
-    }
-    if to_zigzag:
-        gather = None if plan.forward_receive_is_identity else _zigzag_gather_indices(plan)
-        moves = _build_token_moves(
-            None if plan.forward_send_is_identity else host["forward_send_indices"],
-            _forward_send_padding_rows(plan).cpu(),
-            plan.forward_input_split_sizes,
-            plan.forward_output_split_sizes,
-            plan.contiguous_local_token_count,
-            plan.zigzag_local_token_count,
-            None if gather is None else gather.cpu(),
-            own_rank,
-        )
-    else:
-        moves = _build_token_moves(
-            None if plan.forward_receive_is_identity else host["reverse_send_indices"],
-            None,
-            plan.forward_output_split_sizes,
-            plan.forward_input_split_sizes,
-            plan.zigzag_local_token_count,
-            plan.contiguous_local_token_count,
-            None if plan.forward_send_is_identity else host["reverse_receive_indices"],
-            own_rank,
-        )
-    cache[key] = moves = _on_device(moves, plan.forward_send_indices.device)
-    return moves
-
-
-@_carried_as_bytes
-def _move_tokens(
-    input_: torch.Tensor, moves: _TokenMoves, group: ProcessGroup, seq_dim: int, output_length: int
-) -> torch.Tensor:
-    """Copy the kept tokens into a fresh output and all-to-all-v the others, staging only where order changes."""
-    rows = _as_rows(input_, seq_dim)
-    before, _, after = rows.shape
-    tokens = rows.view(-1, after) if before == 1 else rows.transpose(0, 1)
-    token_shape = tokens.shape[1:]
-    dtype, device = input_.dtype, input_.device
-    output = torch.empty(_resized(input_.shape, seq_dim, output_length), dtype=dtype, device=device)
-    placed = output.view(-1, after) if before == 1 else output.view(before, output_length, after).transpose(0, 1)
-    moves.kept.apply(placed, tokens)
-    if moves.zero_slots is not None:
-        placed.index_fill_(0, moves.zero_slots, 0)
-    if before == 1 and moves.send_run is not None:
-        send = tokens[moves.send_run : moves.send_run + moves.send_count]
-    else:
-        send = _staging.get("send", (moves.send_count, *token_shape), dtype, device)
-        moves.send.apply(send, tokens)
-        if moves.send_padding_rows is not None:
-            send.index_fill_(0, moves.send_padding_rows, 0)
-    splits = (moves.output_split_sizes, moves.input_split_sizes)
-    if before == 1 and moves.receive_run is not None:
-        landing = placed[moves.receive_run : moves.receive_run + moves.receive_count]
-        comm.all_to_all_v_into(landing, send, *splits, group)
-        return output
-    received = _staging.get("receive", (moves.receive_count, *token_shape), dtype, device)
-    comm.all_to_all_v_into(received, send, *splits, group)
-    moves.receive.apply(placed, received)
-    return output
-
-
-class _THDRedistribution(torch.autograd.Function):
-    """Packed layout conversion whose backward is the inverse conversion."""
-
-    @staticmethod
-    def forward(ctx, input_, plan, to_zigzag, group, seq_dim, own_rank):  # type: ignore[override]
-        ctx.plan, ctx.to_zigzag, ctx.group, ctx.seq_dim, ctx.own_rank = plan, to_zigzag, group, seq_dim, own_rank
-        return _convert_tokens(input_, plan, to_zigzag, group, seq_dim, own_rank)
-
-    @staticmethod
-    def backward(ctx, grad_output):  # type: ignore[override]
-        grad_input = _convert_tokens(grad_output, ctx.plan, not ctx.to_zigzag, ctx.group, ctx.seq_dim, ctx.own_rank)
-        return grad_input, None, None, None, None, None
-
-
-def _convert_tokens(
-    input_: torch.Tensor, plan: THDCPLayoutPlan, to_zigzag: bool, group: ProcessGroup, seq_dim: int, own_rank: int
-) -> torch.Tensor:
-    """Move packed tokens to their zigzag (padding slots zero) or contiguous (padding dropped) positions."""
-    output_length = plan.zigzag_local_token_count if to_zigzag else plan.contiguous_local_token_count
-    return _move_tokens(input_, _token_moves(plan, to_zigzag, own_rank), group, seq_dim, output_length)
 
 
 def _redistribute_thd_layout(
@@ -634,7 +193,7 @@ def _redistribute_thd_layout(
     if source_layout is target_layout:
         return input_
     to_zigzag = target_layout is CPLayout.ZIGZAG
-    own_rank = context.group_rank_by_logical_rank[context.cp_rank * context.tp_size + context.tp_rank]
+    own_rank = _own_group_rank(context)
     return _THDRedistribution.apply(input_, plan, to_zigzag, context.communication_group, seq_dim, own_rank)
 
 
@@ -684,7 +243,11 @@ def _build_thd_plan_from_host_offsets(
     context: _LayoutParallelContext,
     device: torch.device,
 ) -> THDCPLayoutPlan:
-    """Build this rank's THD plan from host offsets and move its index tensors to ``device``."""
+    """Build this rank's THD plan and its data moves (both directions) from host offsets, then move it to ``device``.
+
+    Building the moves here, while every index tensor is still on the host, spares the first conversion of the batch
+    a device-to-host copy of the plan.
+    """
     if isinstance(total_tokens, bool) or not isinstance(total_tokens, int):
         raise ValueError(f"total_tokens must be an int, got {total_tokens!r}")
     rank_order_indices, zigzag_offsets = _build_thd_rank_order_indices(
@@ -698,6 +261,8 @@ def _build_thd_plan_from_host_offsets(
         group_rank_by_logical_rank=context.group_rank_by_logical_rank,
         pad_between_seqs=not torch.equal(zigzag_offsets, cu_seqlens),
     )
+    for to_zigzag in (True, False):
+        _token_moves(plan, to_zigzag, _own_group_rank(context))
     return plan.to(device)
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -51,7 +52,9 @@ class THDCPLayoutPlan:
     Forward fields describe contiguous-to-zigzag conversion. Reverse fields describe the inverse conversion.
     The plan is built once per packed batch and reused around every attention layer. Padding travels as zero rows
     (``forward_send_indices`` -1, listed in ``forward_send_padding_rows``) so arrivals on the zigzag side are
-    already in slot order; the ``*_is_identity`` flags mark index steps conversion can skip.
+    already in slot order; the ``*_is_identity`` flags mark index steps conversion can skip. ``_token_moves_cache``
+    holds the per-rank data moves derived from the plan (``layout_movers``), filled on the host by the plan builder
+    (or at first use for hand-built plans) and carried along by ``to``.
     """
 
     contiguous_local_token_count: int
@@ -68,6 +71,7 @@ class THDCPLayoutPlan:
     forward_send_is_identity: bool = False
     forward_receive_is_identity: bool = False
     forward_send_padding_rows: torch.Tensor | None = None
+    _token_moves_cache: dict[tuple[bool, int], Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def group_size(self) -> int:
@@ -84,7 +88,9 @@ class THDCPLayoutPlan:
             for field in dataclasses.fields(self)
             if isinstance(value := getattr(self, field.name), torch.Tensor)
         }
-        return dataclasses.replace(self, **moved)
+        plan = dataclasses.replace(self, **moved)
+        plan._token_moves_cache.update((key, moves.to(device)) for key, moves in self._token_moves_cache.items())
+        return plan
 
 
 def _check_coordinates(cp_size: int, cp_rank: int, tp_size: int, tp_rank: int) -> None:
