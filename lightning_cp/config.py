@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from lightning_cp.callback import DEFAULT_CONTIGUOUS_LAYERS, DEFAULT_ZIGZAG_LAYERS
+from lightning_cp.models.llama import LlamaConfig
 
 
 class ConfigError(ValueError):
@@ -26,23 +27,6 @@ class RunConfig:
 
     root: str = "runs"
     name: str | None = None
-
-
-@dataclass
-class ModelConfig:
-    """Architecture of the reference Llama-style decoder."""
-
-    vocab_size: int = 257
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 352
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True
-    init_std: float = 0.02
-    activation_checkpointing: bool = False
 
 
 @dataclass
@@ -130,7 +114,7 @@ class Config:
 
     seed: int = 1234
     run: RunConfig = field(default_factory=RunConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: LlamaConfig = field(default_factory=LlamaConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)

@@ -10,7 +10,7 @@ import torch
 from lightning_cp.callback import contiguous_packed_seq_params
 from lightning_cp.context import ContextParallelStep, activated
 from lightning_cp.data import collate_packed, pack_documents
-from lightning_cp.models import LlamaDecoder, LlamaLM
+from lightning_cp.models import LlamaConfig, LlamaDecoder, LlamaLM
 from lightning_cp.models.layers import apply_rotary, rotary_cos_sin
 from lightning_cp.models.module import warmup_cosine
 from lightning_cp.sharding import shard_replica_batch
@@ -81,7 +81,7 @@ def test_grouped_query_attention_matches_repeated_key_value_heads() -> None:
 
 def test_bad_head_counts_are_rejected() -> None:
     with pytest.raises(ValueError, match="num_heads .4. and num_heads by num_kv_heads .3."):
-        LlamaDecoder(hidden_size=32, num_heads=4, num_kv_heads=3)
+        LlamaDecoder(LlamaConfig(hidden_size=32, num_heads=4, num_kv_heads=3))
 
 
 def test_activation_checkpointing_gives_the_same_gradients() -> None:

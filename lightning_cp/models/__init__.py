@@ -1,7 +1,7 @@
 """The reference Llama-style decoder and its LightningModule."""
 
 from lightning_cp.models.layers import Attention, DecoderBlock, SwiGLU
-from lightning_cp.models.llama import LlamaDecoder
+from lightning_cp.models.llama import LlamaConfig, LlamaDecoder
 from lightning_cp.models.module import LlamaLM
 
-__all__ = ["Attention", "DecoderBlock", "LlamaDecoder", "LlamaLM", "SwiGLU"]
+__all__ = ["Attention", "DecoderBlock", "LlamaConfig", "LlamaDecoder", "LlamaLM", "SwiGLU"]

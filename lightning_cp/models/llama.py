@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -13,34 +14,45 @@ from lightning_cp.context import ContextParallelStep, activated, active_step
 from lightning_cp.models.layers import DecoderBlock
 
 
+@dataclass
+class LlamaConfig:
+    """Architecture of the reference Llama-style decoder (also the ``model`` section of the YAML configuration)."""
+
+    vocab_size: int = 257
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 352
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    activation_checkpointing: bool = False
+
+
 class LlamaDecoder(nn.Module):
     """Token embedding, ``num_layers`` decoder blocks, final RMSNorm and the (tied or untied) output head."""
 
-    def __init__(
-        self,
-        vocab_size: int = 257,
-        hidden_size: int = 128,
-        num_layers: int = 4,
-        num_heads: int = 4,
-        num_kv_heads: int = 2,
-        intermediate_size: int = 352,
-        rope_theta: float = 10000.0,
-        norm_eps: float = 1e-5,
-        tie_embeddings: bool = True,
-        init_std: float = 0.02,
-        activation_checkpointing: bool = False,
-    ) -> None:
+    def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderBlock(hidden_size, num_heads, num_kv_heads, intermediate_size, rope_theta, norm_eps)
-            for _ in range(num_layers)
+            DecoderBlock(
+                config.hidden_size,
+                config.num_heads,
+                config.num_kv_heads,
+                config.intermediate_size,
+                config.rope_theta,
+                config.norm_eps,
+            )
+            for _ in range(config.num_layers)
         )
-        self.norm = nn.RMSNorm(hidden_size, eps=norm_eps)
-        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
-        self.activation_checkpointing = activation_checkpointing
-        self._init_weights(init_std, num_layers)
-        if tie_embeddings:
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.activation_checkpointing = config.activation_checkpointing
+        self._init_weights(config.init_std, config.num_layers)
+        if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     def _init_weights(self, std: float, num_layers: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 from lightning_cp.callback import contiguous_packed_seq_params
 from lightning_cp.context import ContextParallelStep, activated
 from lightning_cp.loss import CPLoss, cp_cross_entropy
-from lightning_cp.models.llama import LlamaDecoder
+from lightning_cp.models.llama import LlamaConfig, LlamaDecoder
 from lightning_cp.sharding import shard_replica_batch
 
 
@@ -28,38 +29,25 @@ class LlamaLM(pl.LightningModule):
 
     def __init__(
         self,
-        vocab_size: int = 257,
-        hidden_size: int = 128,
-        num_layers: int = 4,
-        num_heads: int = 4,
-        num_kv_heads: int = 2,
-        intermediate_size: int = 352,
-        rope_theta: float = 10000.0,
-        norm_eps: float = 1e-5,
-        tie_embeddings: bool = True,
-        init_std: float = 0.02,
-        activation_checkpointing: bool = False,
         lr: float = 3e-3,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 20,
         min_lr_ratio: float = 0.1,
+        **architecture: Any,
     ) -> None:
+        """Take optimizer settings and ``LlamaConfig`` fields; all values, defaults included, are hyperparameters."""
         super().__init__()
-        self.save_hyperparameters()
-        self.model = LlamaDecoder(
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            intermediate_size=intermediate_size,
-            rope_theta=rope_theta,
-            norm_eps=norm_eps,
-            tie_embeddings=tie_embeddings,
-            init_std=init_std,
-            activation_checkpointing=activation_checkpointing,
-        )
+        config = LlamaConfig(**architecture)
+        optimizer = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "betas": betas,
+            "warmup_steps": warmup_steps,
+            "min_lr_ratio": min_lr_ratio,
+        }
+        self.save_hyperparameters({**dataclasses.asdict(config), **optimizer})
+        self.model = LlamaDecoder(config)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Return the logits of this rank's tokens."""
