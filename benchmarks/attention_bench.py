@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_cp import attention
-from lightning_cp import attention_kernels as kernels
-from lightning_cp.packed import PackedSeqParams
+from lightning_cp.core.attention import api as attention
+from lightning_cp.core.attention import kernels
+from lightning_cp.core.packed import PackedSeqParams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "attention_bench.md"
 HEAD_DIM = 64

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_cp.layout import (
+from lightning_cp.core.layout.api import (
     _build_layout_redistribution_plan,
     _build_thd_cp_layout_plan_from_rank_order_indices,
     _build_thd_rank_order_indices,

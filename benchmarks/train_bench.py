@@ -91,7 +91,8 @@ class Timers:
 
     def install(self) -> None:
         """Time layout conversions and attention communication (forward and backward)."""
-        from lightning_cp import comm, layout_movers
+        from lightning_cp.core import comm
+        from lightning_cp.core.layout import movers as layout_movers
 
         layout_movers._move_segments = self.wrap("layout", layout_movers._move_segments)
         layout_movers._move_tokens = self.wrap("layout", layout_movers._move_tokens)
@@ -109,9 +110,9 @@ def measure(cp: int, seq: int, steps: int, attention_mode: str, timers: Timers) 
     from torch.utils.data import DataLoader
 
     from lightning_cp import CPZigzagStrategy
-    from lightning_cp.data import collate_packed
-    from lightning_cp.data.packing import Pack
-    from lightning_cp.models import LlamaLM
+    from lightning_cp.train.data import collate_packed
+    from lightning_cp.train.data.packing import Pack
+    from lightning_cp.train.models import LlamaLM
 
     step_times: list[float] = []
     comm_marks: list[dict[str, float]] = []
@@ -269,7 +270,7 @@ def report(args: argparse.Namespace, results: dict[int, list[dict[str, Any]]], w
     if 1 in results:
         lines += [
             "",
-            "cp=1 runs without CP: single-device attention per document (`lightning_cp.context.local_attention`).",
+            "cp=1 runs without CP: single-device attention per document (`lightning_cp.core.step.local_attention`).",
         ]
     lines += [
         "",

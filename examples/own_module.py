@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lightning_cp import cp_attention, cp_cross_entropy  # importing lightning_cp registers "cp_zigzag"
-from lightning_cp.data import PackedTextDataModule
+from lightning_cp.train.data import PackedTextDataModule
 
 
 class TransformerBlock(nn.Module):

@@ -2,7 +2,7 @@
 
 import sys
 
-from lightning_cp.cli import main
+from lightning_cp.train.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

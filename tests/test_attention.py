@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_cp import attention
-from lightning_cp import attention_kernels as kernels
-from lightning_cp.attention import zigzag_attention
-from lightning_cp.packed import PackedSeqParams
+from lightning_cp.core.attention import api as attention
+from lightning_cp.core.attention import kernels
+from lightning_cp.core.attention.api import zigzag_attention
+from lightning_cp.core.packed import PackedSeqParams
 from tests.distributed_harness import run_on_ranks
 
 MODES = ("allgather", "ring")
@@ -245,10 +245,10 @@ def test_zigzag_index_matches_design_example():
 def test_backend_choice_is_logged_once(caplog):
     attention._LOGGED_CHOICES.clear()
     q = torch.randn(4, 1, 2, 8)
-    with caplog.at_level(logging.INFO, logger="lightning_cp.attention"):
+    with caplog.at_level(logging.INFO, logger="lightning_cp.core.attention.api"):
         for _ in range(2):
             zigzag_attention(q, q, q, None, mode="ring")
-    messages = [record.getMessage() for record in caplog.records if record.name == "lightning_cp.attention"]
+    messages = [record.getMessage() for record in caplog.records if record.name == "lightning_cp.core.attention.api"]
     assert messages == ["zigzag_attention: backend cpu_flash, mode ring, device cpu"]
 
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_cp import attention
-from lightning_cp import attention_kernels as kernels
-from lightning_cp.attention import attention_work_per_rank, zigzag_attention
-from lightning_cp.packed import PackedSeqParams, host_offsets
+from lightning_cp.core.attention import api as attention
+from lightning_cp.core.attention import kernels
+from lightning_cp.core.attention.api import attention_work_per_rank, zigzag_attention
+from lightning_cp.core.packed import PackedSeqParams, host_offsets
 from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
 
 CP = 2

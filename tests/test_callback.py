@@ -11,9 +11,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy, PackedSeqParams, cp_attention
-from lightning_cp.callback import select_layers
-from lightning_cp.context import ContextParallelStep, activated
-from lightning_cp.layout import CPLayout
+from lightning_cp.core.layout.api import CPLayout
+from lightning_cp.core.step import ContextParallelStep, activated
+from lightning_cp.lightning.callback import select_layers
 from tests.distributed_harness import run_on_ranks
 from tests.test_strategy import HYBRID, POLICY, TRAINER_OPTIONS
 from tests.test_strategy_models import TinyTransformer, dense_batches, packed_batches, reference_run

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_cp.runfolder import RUN_DIR_ENV, loss_series, read_metrics
+from lightning_cp.train.runfolder import RUN_DIR_ENV, loss_series, read_metrics
 
 SCRIPT = str(Path(sys.executable).parent / "lightning-cp")
 SHORT = [

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from lightning_cp.cli import main
-from lightning_cp.config import Config, ConfigError, load_config, packaged_configs
+from lightning_cp.train.cli import main
+from lightning_cp.train.config import Config, ConfigError, load_config, packaged_configs
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGED = packaged_configs()

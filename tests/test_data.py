@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_cp.data import (
+from lightning_cp.train.data import (
     ByteTokenizer,
     PackedTextDataModule,
     ResumableSampler,
@@ -18,7 +18,7 @@ from lightning_cp.data import (
     pack_documents,
     split_documents,
 )
-from lightning_cp.data.packing import split_document
+from lightning_cp.train.data.packing import split_document
 
 
 def test_tokenizer_round_trips_unicode_and_appends_eos() -> None:

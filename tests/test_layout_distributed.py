@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_cp.layout import build_thd_cp_layout_plan, contiguous_to_zigzag, zigzag_to_contiguous
+from lightning_cp.core.layout.api import build_thd_cp_layout_plan, contiguous_to_zigzag, zigzag_to_contiguous
 from tests.distributed_harness import run_on_ranks
 from tests.test_layout_reference import dense_positions, random_packed_case, take, thd_positions
 

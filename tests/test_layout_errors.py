@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_cp.layout import (
+from lightning_cp.core.layout.api import (
     ContextParallelLayoutManager,
     _redistribute_layout,
     build_thd_cp_layout_plan,
     contiguous_to_zigzag,
     zigzag_to_contiguous,
 )
-from lightning_cp.packed import PackedSeqParams
+from lightning_cp.core.packed import PackedSeqParams
 from tests.distributed_harness import RankError, assert_same_error_on_every_rank, run_outcomes
 from tests.test_layout_distributed import make_groups
 

@@ -7,9 +7,9 @@ from itertools import pairwise
 import torch
 import torch.distributed as dist
 
-from lightning_cp import comm
-from lightning_cp.layout import ContextParallelLayoutManager, ContextParallelLayoutState, CPLayout
-from lightning_cp.packed import PackedSeqParams
+from lightning_cp.core import comm
+from lightning_cp.core.layout.api import ContextParallelLayoutManager, ContextParallelLayoutState, CPLayout
+from lightning_cp.core.packed import PackedSeqParams
 from tests.distributed_harness import run_on_ranks
 from tests.test_layout_distributed import make_groups
 from tests.test_layout_reference import dense_positions, take, thd_positions

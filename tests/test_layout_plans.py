@@ -9,7 +9,7 @@ from itertools import pairwise
 import pytest
 import torch
 
-from lightning_cp.layout import (
+from lightning_cp.core.layout.api import (
     CPLayout,
     _build_group_rank_by_logical_rank,
     _build_layout_redistribution_plan,

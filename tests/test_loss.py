@@ -8,8 +8,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_cp import cp_cross_entropy
-from lightning_cp.context import ContextParallelStep, activated
-from lightning_cp.mesh import ParallelDims, build_context_parallel_mesh
+from lightning_cp.core.mesh import ParallelDims, build_context_parallel_mesh
+from lightning_cp.core.step import ContextParallelStep, activated
 from tests.distributed_harness import run_on_ranks
 
 torch.set_num_threads(1)

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_cp import comm
-from lightning_cp.mesh import ParallelDims, build_context_parallel_mesh, resolve_parallel_dims
+from lightning_cp.core import comm
+from lightning_cp.core.mesh import ParallelDims, build_context_parallel_mesh, resolve_parallel_dims
 from tests.distributed_harness import run_on_ranks
 
 torch.set_num_threads(1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_cp.sharding import (
+from lightning_cp.core.sharding import (
     IGNORE_INDEX,
     document_position_ids,
     shard_replica_batch,

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy
-from lightning_cp.layout import CPLayout
+from lightning_cp.core.layout.api import CPLayout
 from tests.distributed_harness import run_on_ranks
 from tests.test_strategy_models import (
     TinyTransformer,

@@ -18,8 +18,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from lightning_cp import comm, cp_attention, cp_cross_entropy
-from lightning_cp.context import active_step
+from lightning_cp import cp_attention, cp_cross_entropy
+from lightning_cp.core import comm
+from lightning_cp.core.step import active_step
 
 VOCAB = 32
 HIDDEN = 16

@@ -9,11 +9,11 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_cp.data.collate import collate_dense, collate_packed
-from lightning_cp.data.packing import pack_documents
-from lightning_cp.data.sampler import ResumableSampler
-from lightning_cp.data.sources import EMBEDDED, load_documents, split_documents
-from lightning_cp.data.tokenizer import ByteTokenizer
+from lightning_cp.train.data.collate import collate_dense, collate_packed
+from lightning_cp.train.data.packing import pack_documents
+from lightning_cp.train.data.sampler import ResumableSampler
+from lightning_cp.train.data.sources import EMBEDDED, load_documents, split_documents
+from lightning_cp.train.data.tokenizer import ByteTokenizer
 
 
 def dense_rows(documents: Sequence[Sequence[int]], seq_len: int) -> list[torch.Tensor]:

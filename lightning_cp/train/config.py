@@ -13,8 +13,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from lightning_cp.callback import DEFAULT_CONTIGUOUS_LAYERS, DEFAULT_ZIGZAG_LAYERS
-from lightning_cp.models.llama import LlamaConfig
+from lightning_cp.lightning.callback import DEFAULT_CONTIGUOUS_LAYERS, DEFAULT_ZIGZAG_LAYERS
+from lightning_cp.train.models.llama import LlamaConfig
 
 
 class ConfigError(ValueError):
@@ -219,7 +219,7 @@ def _check_values(cfg: DictConfig) -> None:
 
 def packaged_configs() -> Path:
     """Return the folder of the configs shipped inside the package."""
-    return Path(str(resources.files("lightning_cp"))) / "configs"
+    return Path(str(resources.files("lightning_cp.train"))) / "configs"
 
 
 def resolve_config_path(name: str) -> Path:

@@ -11,13 +11,13 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_cp import runfolder
-from lightning_cp.callback import ContextParallelLayoutCallback
-from lightning_cp.config import ConfigError
-from lightning_cp.data import PackedTextDataModule
-from lightning_cp.data.sources import EMBEDDED
-from lightning_cp.models import LlamaLM
-from lightning_cp.strategy import CPZigzagStrategy
+from lightning_cp.lightning.callback import ContextParallelLayoutCallback
+from lightning_cp.lightning.strategy import CPZigzagStrategy
+from lightning_cp.train import runfolder
+from lightning_cp.train.config import ConfigError
+from lightning_cp.train.data import PackedTextDataModule
+from lightning_cp.train.data.sources import EMBEDDED
+from lightning_cp.train.models import LlamaLM
 
 
 def build_datamodule(cfg: DictConfig) -> PackedTextDataModule:

@@ -7,9 +7,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from lightning_cp import comm
-from lightning_cp.context import active_step
-from lightning_cp.sharding import IGNORE_INDEX
+from lightning_cp.core import comm
+from lightning_cp.core.sharding import IGNORE_INDEX
+from lightning_cp.core.step import active_step
 
 
 class CPLoss(NamedTuple):

@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_cp.config import ConfigError
+from lightning_cp.train.config import ConfigError
 
 RUN_DIR_ENV = "LIGHTNING_CP_RUN_DIR"
 CONFIG_FILE = "config.yaml"

@@ -18,15 +18,15 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_cp import comm
-from lightning_cp.callback import ContextParallelLayoutCallback
-from lightning_cp.layout import CPLayout
-from lightning_cp.mesh import (
+from lightning_cp.core import comm
+from lightning_cp.core.layout.api import CPLayout
+from lightning_cp.core.mesh import (
     ContextParallelMesh,
     build_context_parallel_mesh,
     resolve_parallel_dims,
     validate_parallel_sizes,
 )
+from lightning_cp.lightning.callback import ContextParallelLayoutCallback
 
 ATTENTION_MODES = ("allgather", "ring")
 

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from lightning_cp.attention import zigzag_attention
-from lightning_cp.layout import ContextParallelLayoutState, CPLayout
-from lightning_cp.packed import PackedSeqParams, host_offsets
+from lightning_cp.core.attention.api import zigzag_attention
+from lightning_cp.core.layout.api import ContextParallelLayoutState, CPLayout
+from lightning_cp.core.packed import PackedSeqParams, host_offsets
 
 
 @dataclass

@@ -9,11 +9,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_cp.callback import contiguous_packed_seq_params
-from lightning_cp.context import ContextParallelStep, activated
-from lightning_cp.loss import CPLoss, cp_cross_entropy
-from lightning_cp.models.llama import LlamaConfig, LlamaDecoder
-from lightning_cp.sharding import shard_replica_batch
+from lightning_cp.core.loss import CPLoss, cp_cross_entropy
+from lightning_cp.core.sharding import shard_replica_batch
+from lightning_cp.core.step import ContextParallelStep, activated
+from lightning_cp.lightning.callback import contiguous_packed_seq_params
+from lightning_cp.train.models.llama import LlamaConfig, LlamaDecoder
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_cp.context import ContextParallelStep, activated, active_step
-from lightning_cp.models.layers import DecoderBlock
+from lightning_cp.core.step import ContextParallelStep, activated, active_step
+from lightning_cp.train.models.layers import DecoderBlock
 
 
 @dataclass

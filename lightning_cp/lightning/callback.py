@@ -14,11 +14,11 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
-from lightning_cp.attention import attention_work_per_rank
-from lightning_cp.context import ContextParallelStep, active_step, set_active_step
-from lightning_cp.layout import ContextParallelLayoutManager, CPLayout
-from lightning_cp.packed import PackedSeqParams
-from lightning_cp.sharding import IGNORE_INDEX, ShardedBatch, shard_replica_batch
+from lightning_cp.core.attention.api import attention_work_per_rank
+from lightning_cp.core.layout.api import ContextParallelLayoutManager, CPLayout
+from lightning_cp.core.packed import PackedSeqParams
+from lightning_cp.core.sharding import IGNORE_INDEX, ShardedBatch, shard_replica_batch
+from lightning_cp.core.step import ContextParallelStep, active_step, set_active_step
 
 DEFAULT_ZIGZAG_LAYERS = ("*DecoderBlock", "*DecoderLayer", "*TransformerBlock", "*AttentionBlock")
 DEFAULT_CONTIGUOUS_LAYERS = ("*RecurrentBlock", "*MambaBlock", "*ConvBlock")
@@ -232,7 +232,7 @@ class ContextParallelLayoutCallback(Callback):
     def _parallel_setting(self, trainer: pl.Trainer) -> ParallelSetting:
         """Read CP/TP groups and options from a ``cp_zigzag`` strategy; cp=1 for any other strategy."""
         if self._setting is None:
-            from lightning_cp.strategy import CPZigzagStrategy
+            from lightning_cp.lightning.strategy import CPZigzagStrategy
 
             strategy = trainer.strategy
             if isinstance(strategy, CPZigzagStrategy):

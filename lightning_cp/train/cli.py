@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lightning_cp.config import ConfigError, load_config, to_yaml
+from lightning_cp.train.config import ConfigError, load_config, to_yaml
 
 COMMANDS = {
     "fit": "train from scratch, fine-tune from checkpoint.init_from, or resume with checkpoint.resume_from",
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "print-config":
             print(to_yaml(cfg), end="")
             return 0
-        from lightning_cp import runner
+        from lightning_cp.train import runner
 
         if args.command == "fit":
             runner.fit(cfg)

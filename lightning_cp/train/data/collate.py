@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_cp.data.packing import Pack
+from lightning_cp.train.data.packing import Pack
 
 
 def collate_packed(packs: Sequence[Pack]) -> dict[str, torch.Tensor]:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ProcessGroup
 
-from lightning_cp import comm
-from lightning_cp.layout_plans import THDCPLayoutPlan, _LayoutRedistributionPlan
+from lightning_cp.core import comm
+from lightning_cp.core.layout.plans import THDCPLayoutPlan, _LayoutRedistributionPlan
 
 
 def _as_rows(input_: torch.Tensor, seq_dim: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ from typing import Literal
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_cp import comm
+from lightning_cp.core import comm
 
 MESH_DIM_NAMES = ("data_parallel", "context_parallel", "tensor_parallel")
 

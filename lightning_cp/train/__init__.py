@@ -1,0 +1,1 @@
+"""The main job ``lightning-cp``: configuration, the reference model, packed-text data, the run folder."""
