@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_cp.core import zigzag
 from lightning_cp.core.attention import api as attention
 from lightning_cp.core.attention import kernels
 from lightning_cp.core.packed import PackedSeqParams
@@ -59,15 +60,15 @@ def workloads(total: int, seed: int = 0) -> list[Workload]:
     ]
 
 
-def _layout_tokens(workload: Workload, cp: int, layout: str) -> list[kernels.RankTokens]:
+def _layout_tokens(workload: Workload, cp: int, layout: str) -> list[zigzag.RankTokens]:
     """Every rank's token metadata for ``layout`` (zigzag: per-document chunks; contiguous: even split)."""
     if layout == "zigzag":
-        padded = attention.padded_lengths(workload.lengths, cp)
-        return [attention.zigzag_tokens(workload.lengths, padded, cp, rank) for rank in range(cp)]
-    return [attention.contiguous_tokens(workload.lengths, cp, rank) for rank in range(cp)]
+        padded = list(zigzag.ZigzagGeometry.packed(cp, workload.lengths).padded_lengths)
+        return [zigzag.zigzag_rank_tokens(workload.lengths, padded, cp, rank) for rank in range(cp)]
+    return [zigzag.contiguous_rank_tokens(workload.lengths, cp, rank) for rank in range(cp)]
 
 
-def _shard(x: torch.Tensor, tokens: kernels.RankTokens, offsets: torch.Tensor) -> torch.Tensor:
+def _shard(x: torch.Tensor, tokens: zigzag.RankTokens, offsets: torch.Tensor) -> torch.Tensor:
     """Gather one rank's half-major slots of a flat ``[N, H, D]`` tensor as ``[1, H, T, D]`` (zeros in padding)."""
     valid = tokens.doc >= 0
     index = torch.where(valid, offsets[tokens.doc.clamp(min=0)] + tokens.pos, 0)
@@ -75,7 +76,7 @@ def _shard(x: torch.Tensor, tokens: kernels.RankTokens, offsets: torch.Tensor) -
     return local.permute(1, 0, 2).unsqueeze(0).contiguous()
 
 
-def _rank_time(workload: Workload, tokens: list[kernels.RankTokens], rank: int, tensors: tuple) -> float:
+def _rank_time(workload: Workload, tokens: list[zigzag.RankTokens], rank: int, tensors: tuple) -> float:
     """Seconds of one rank's forward + backward against every rank's K/V (the all-gather computation)."""
     q, k, v = tensors
     offsets = torch.tensor([0, *workload.lengths]).cumsum(0)
@@ -136,8 +137,8 @@ def _memory_kib(field: str) -> int:
 def _measure_modes(workload: Workload, heads: tuple[int, int], repeats: int) -> dict[str, dict[str, list[float]]]:
     """Rank body: interleave allgather and ring, timing forward and backward and the peak extra resident memory."""
     cp, rank = dist.get_world_size(), dist.get_rank()
-    padded = attention.padded_lengths(workload.lengths, cp)
-    tokens = attention.zigzag_tokens(workload.lengths, padded, cp, rank)
+    padded = list(zigzag.ZigzagGeometry.packed(cp, workload.lengths).padded_lengths)
+    tokens = zigzag.zigzag_rank_tokens(workload.lengths, padded, cp, rank)
     offsets = torch.tensor([0, *workload.lengths]).cumsum(0)
     torch.manual_seed(0)
     n = sum(workload.lengths)

@@ -1,8 +1,14 @@
-"""Context parallelism for PyTorch Lightning; importing it registers ``strategy="cp_zigzag"``."""
+"""Context parallelism for PyTorch Lightning; importing it registers ``strategy="cp_zigzag"``.
 
+The public API: ``cp_attention`` and ``cp_cross_entropy`` for model code, the strategy and its callback for
+Lightning, ``ContextParallelRuntime`` for any other training loop, ``PackedSeqParams`` for packed metadata.
+"""
+
+from lightning_cp.core.functional import cp_attention
 from lightning_cp.core.loss import CPLoss, cp_cross_entropy
 from lightning_cp.core.packed import PackedSeqParams
-from lightning_cp.core.step import cp_attention
+from lightning_cp.core.runtime import ContextParallelRuntime, LayerPolicy
+from lightning_cp.core.step import ContextParallelSetting
 from lightning_cp.lightning.callback import ContextParallelLayoutCallback
 from lightning_cp.lightning.strategy import CPZigzagStrategy
 
@@ -10,6 +16,9 @@ __all__ = [
     "CPLoss",
     "CPZigzagStrategy",
     "ContextParallelLayoutCallback",
+    "ContextParallelRuntime",
+    "ContextParallelSetting",
+    "LayerPolicy",
     "PackedSeqParams",
     "cp_attention",
     "cp_cross_entropy",

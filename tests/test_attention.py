@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_cp.core import zigzag
 from lightning_cp.core.attention import api as attention
 from lightning_cp.core.attention import kernels
 from lightning_cp.core.attention.api import zigzag_attention
@@ -125,8 +126,8 @@ def _attend(case: Case, local: list[torch.Tensor], group, lengths: list[int], cp
         return zigzag_attention(
             *local, group, packed_seq_params=params, causal=case.causal, mode=case.mode, backend=case.backend
         )
-    padded = attention.padded_lengths(lengths, cp)
-    tokens = [attention.zigzag_tokens(lengths, padded, cp, src) for src in range(cp)]
+    padded = list(zigzag.ZigzagGeometry.packed(cp, lengths).padded_lengths)
+    tokens = [zigzag.zigzag_rank_tokens(lengths, padded, cp, src) for src in range(cp)]
     scale = local[0].shape[-1] ** -0.5
     return attention._flash_attention(*local, group, tokens, rank, case.packed, case.causal, scale, fake_varlen)
 
@@ -255,7 +256,7 @@ def test_backend_choice_is_logged_once(caplog):
 @pytest.mark.parametrize(("cp", "group_rows"), [(2, 1), (3, 5)])
 def test_blocks_cut_into_document_groups_give_the_same_results(cp, group_rows, monkeypatch):
     lengths = case_lengths(Case(True, True, "ring", "math", (2, 2)), cp, seed=0)
-    tokens = [attention.zigzag_tokens(lengths, attention.padded_lengths(lengths, cp), cp, src) for src in range(cp)]
+    tokens = zigzag.ZigzagGeometry.packed(cp, lengths).rank_tokens
     whole = kernels.build_block_plan(tokens, 0, False, torch.device("cpu"))
     monkeypatch.setattr(kernels, "_MIN_GROUP_ROWS", group_rows)
     split = kernels.build_block_plan(tokens, 0, False, torch.device("cpu"))
@@ -272,7 +273,7 @@ def test_contiguous_sharding_through_the_same_blocks_matches_reference(backend):
     q, k, v = (torch.randn(sum(lengths), 1, h, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
     doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     expected = reference_attention(q, k, v, doc, causal=True)
-    tokens = [attention.contiguous_tokens(lengths, cp, rank) for rank in range(cp)]
+    tokens = [zigzag.contiguous_rank_tokens(lengths, cp, rank) for rank in range(cp)]
     per_rank = tokens[0].doc.shape[0]
     kv_all = torch.stack([torch.stack([_contiguous_internal(x, rank, per_rank) for x in (k, v)]) for rank in range(cp)])
     outs = []

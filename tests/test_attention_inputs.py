@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_cp.core.attention import api as attention
+from lightning_cp.core import zigzag
 from lightning_cp.core.attention import kernels
 from lightning_cp.core.attention.api import attention_work_per_rank, zigzag_attention
 from lightning_cp.core.packed import PackedSeqParams, host_offsets
@@ -79,8 +79,8 @@ def test_bad_input_raises_the_same_error_on_every_rank(name):
 def _work_matches_actual_run() -> list[int]:
     """Rank body: sum of the visible pairs in this rank's block plan, for a packed causal batch."""
     lengths = [1, 3, 17, 6, 30]
-    padded = attention.padded_lengths(lengths, 3)
-    tokens = [attention.zigzag_tokens(lengths, padded, 3, src) for src in range(3)]
+    padded = list(zigzag.ZigzagGeometry.packed(3, lengths).padded_lengths)
+    tokens = [zigzag.zigzag_rank_tokens(lengths, padded, 3, src) for src in range(3)]
     plan = kernels.build_block_plan(tokens, dist.get_rank(), True, torch.device("cpu"))
     return sum(_pairs(block) for blocks in plan.blocks for block in blocks)
 
@@ -141,7 +141,7 @@ def test_work_per_rank_rejects_bad_arguments(kwargs, match):
 
 def test_dense_causal_plan_skips_empty_blocks():
     cp = 4
-    tokens = [attention.zigzag_tokens([8 * cp], [8 * cp], cp, src) for src in range(cp)]
+    tokens = [zigzag.zigzag_rank_tokens([8 * cp], [8 * cp], cp, src) for src in range(cp)]
     for rank in range(cp):
         plan = kernels.build_block_plan(tokens, rank, True, torch.device("cpu"))
         counts = [len(blocks) for blocks in plan.blocks]

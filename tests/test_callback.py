@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader
 
 from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy, PackedSeqParams, cp_attention
 from lightning_cp.core.layout.api import CPLayout
+from lightning_cp.core.runtime import select_layers
 from lightning_cp.core.step import ContextParallelStep, activated
-from lightning_cp.lightning.callback import select_layers
 from tests.distributed_harness import run_on_ranks
 from tests.test_strategy import HYBRID, POLICY, TRAINER_OPTIONS
 from tests.test_strategy_models import TinyTransformer, dense_batches, packed_batches, reference_run
@@ -152,7 +152,7 @@ def test_cp_attention_without_cp_is_exact_per_document_attention(causal: bool) -
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(2, dim=2)) / 8**0.5
     weights = scores.masked_fill(~visible, -torch.inf).softmax(-1)
     expected = torch.einsum("bhqk,bkhd->bqhd", weights, v.repeat_interleave(2, dim=2))
-    step = ContextParallelStep(cp_size=1, contiguous_packed_seq_params=PackedSeqParams(cu_seqlens_q=cu_seqlens))
+    step = ContextParallelStep(contiguous_packed_seq_params=PackedSeqParams(cu_seqlens_q=cu_seqlens))
     with activated(step):
         actual = cp_attention(q, k, v, causal=causal)
     assert torch.allclose(actual, expected, rtol=0, atol=1e-12)

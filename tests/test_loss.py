@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from lightning_cp import cp_cross_entropy
 from lightning_cp.core.mesh import ParallelDims, build_context_parallel_mesh
-from lightning_cp.core.step import ContextParallelStep, activated
+from lightning_cp.core.step import ContextParallelSetting, ContextParallelStep, activated
 from tests.distributed_harness import run_on_ranks
 
 torch.set_num_threads(1)
@@ -51,7 +51,7 @@ def shard_gradient(cp_size: int) -> tuple[float, float, np.ndarray]:
     features, weight, labels = problem()
     weight.requires_grad_(True)
     shard = slice(mesh.cp_rank * TOKENS // cp_size, (mesh.cp_rank + 1) * TOKENS // cp_size)
-    step = ContextParallelStep(cp_size=cp_size, cp_group=mesh.cp_group)
+    step = ContextParallelStep(ContextParallelSetting(mesh))
     with activated(step):
         result = cp_cross_entropy(features[:, shard] @ weight, labels[:, shard], int((labels != -100).sum()))
     result.loss.backward()

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from lightning_cp.core.sharding import shard_replica_batch
-from lightning_cp.core.step import ContextParallelStep, activated
-from lightning_cp.lightning.callback import contiguous_packed_seq_params
+from lightning_cp.core.step import ContextParallelStep, activated, contiguous_packed_seq_params
 from lightning_cp.train.data import collate_packed, pack_documents
 from lightning_cp.train.models import LlamaConfig, LlamaDecoder, LlamaLM
 from lightning_cp.train.models.layers import apply_rotary, rotary_cos_sin
@@ -60,7 +59,7 @@ def test_packed_documents_do_not_see_each_other() -> None:
     alone = model(torch.tensor([second]), torch.arange(9).unsqueeze(0))
     sharded = shard_replica_batch(packed)
     assert sharded.position_ids.tolist() == [list(range(13)) + list(range(9))]
-    with activated(ContextParallelStep(cp_size=1, contiguous_packed_seq_params=contiguous_packed_seq_params(sharded))):
+    with activated(ContextParallelStep(contiguous_packed_seq_params=contiguous_packed_seq_params(sharded))):
         together = model(sharded.input_ids, sharded.position_ids)
     torch.testing.assert_close(together[:, 13:], alone, rtol=1e-12, atol=1e-12)
 

@@ -75,30 +75,37 @@ def validate_parallel_sizes(
 
 @dataclass(frozen=True)
 class ContextParallelMesh:
-    """The device mesh with its CP, TP, TP x CP, DP and DP x CP process groups."""
+    """The one carrier of a run's parallel layout: sizes, this rank's coordinates and the process groups.
+
+    Built once per run by ``build_context_parallel_mesh`` (or ``single_process()`` without CP: sizes 1, no groups);
+    everything else that needs a group or a size takes this object.
+    """
 
     dims: ParallelDims
-    device_mesh: DeviceMesh
-    cp_group: ProcessGroup
-    tp_group: ProcessGroup
-    tp_cp_group: ProcessGroup
-    dp_group: ProcessGroup
-    dp_cp_group: ProcessGroup
+    device_mesh: DeviceMesh | None = None
+    cp_group: ProcessGroup | None = None
+    tp_group: ProcessGroup | None = None
+    tp_cp_group: ProcessGroup | None = None
+    dp_group: ProcessGroup | None = None
+    dp_cp_group: ProcessGroup | None = None
+    cp_rank: int = 0
+    tp_rank: int = 0
+    dp_rank: int = 0
+
+    @staticmethod
+    def single_process() -> ContextParallelMesh:
+        """Return the mesh of a run without context or tensor parallelism (no process group needed)."""
+        return ContextParallelMesh(ParallelDims(1, 1, 1))
 
     @property
-    def cp_rank(self) -> int:
-        """Return this rank's coordinate along ``context_parallel``."""
-        return self.device_mesh.get_local_rank("context_parallel")
+    def cp_size(self) -> int:
+        """Return the number of ranks sharing one sequence."""
+        return self.dims.context_parallel
 
     @property
-    def tp_rank(self) -> int:
-        """Return this rank's coordinate along ``tensor_parallel``."""
-        return self.device_mesh.get_local_rank("tensor_parallel")
-
-    @property
-    def dp_rank(self) -> int:
-        """Return this rank's coordinate along ``data_parallel``."""
-        return self.device_mesh.get_local_rank("data_parallel")
+    def tp_size(self) -> int:
+        """Return the number of tensor-parallel ranks."""
+        return self.dims.tensor_parallel
 
 
 def build_context_parallel_mesh(device_type: str, dims: ParallelDims) -> ContextParallelMesh:
@@ -113,4 +120,7 @@ def build_context_parallel_mesh(device_type: str, dims: ParallelDims) -> Context
         tp_cp_group=comm.flattened_mesh_group(device_mesh, ("context_parallel", "tensor_parallel")),
         dp_group=comm.flattened_mesh_group(device_mesh, ("data_parallel",)),
         dp_cp_group=comm.flattened_mesh_group(device_mesh, ("data_parallel", "context_parallel")),
+        cp_rank=device_mesh.get_local_rank("context_parallel"),
+        tp_rank=device_mesh.get_local_rank("tensor_parallel"),
+        dp_rank=device_mesh.get_local_rank("data_parallel"),
     )

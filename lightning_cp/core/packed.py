@@ -28,21 +28,54 @@ class PackedSeqParams:
     pad_between_seqs: bool = False
 
 
-_HOST_OFFSETS: dict[int, tuple[weakref.ref[torch.Tensor], int, list[int]]] = {}
-_HOST_OFFSETS_LIMIT = 64
+_HOST_COPIES: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor, list[int] | None]] = {}
+_HOST_COPIES_LIMIT = 64
+
+
+def _cached(tensor: torch.Tensor) -> tuple[torch.Tensor, list[int] | None] | None:
+    """Return the remembered host copy (and list) of ``tensor`` while it is the same, unmodified tensor object."""
+    entry = _HOST_COPIES.get(id(tensor))
+    if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
+        return entry[2], entry[3]
+    return None
+
+
+def _remember(tensor: torch.Tensor, host: torch.Tensor, values: list[int] | None) -> None:
+    """Remember ``tensor``'s host copy (and its values as a list), forgetting everything when the cache is full."""
+    if len(_HOST_COPIES) >= _HOST_COPIES_LIMIT:
+        _HOST_COPIES.clear()
+    _HOST_COPIES[id(tensor)] = (weakref.ref(tensor), tensor._version, host, values)
+
+
+def host_copies(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Return host copies of per-batch metadata tensors, each copied once and all missing ones in one transfer.
+
+    A copy is reused while the same tensor object is unchanged (same in-place version counter), so offsets on an
+    accelerator, read by the layout plan, the attention and the metrics of a batch, cost one host synchronisation per
+    batch. Host tensors are returned as they are.
+    """
+    missing = [t for t in tensors if t is not None and t.device.type != "cpu" and _cached(t) is None]
+    if missing:
+        host = torch.cat([t.reshape(-1) for t in missing]).cpu().split([t.numel() for t in missing])
+        for tensor, copy in zip(missing, host, strict=True):
+            _remember(tensor, copy.view(tensor.shape), None)
+    return [t if t is None or t.device.type == "cpu" else _cached(t)[0] for t in tensors]
 
 
 def host_offsets(offsets: torch.Tensor) -> list[int]:
-    """Return ``offsets.tolist()``, read once per tensor rather than once per attention layer.
-
-    The list is reused while the same tensor object is unchanged (same in-place version counter), so per-batch
-    metadata on an accelerator, read by every layer, costs one host synchronisation per batch instead of one per layer.
-    """
-    entry = _HOST_OFFSETS.get(id(offsets))
-    if entry is not None and entry[0]() is offsets and entry[1] == offsets._version:
-        return entry[2]
-    if len(_HOST_OFFSETS) >= _HOST_OFFSETS_LIMIT:
-        _HOST_OFFSETS.clear()
-    values = offsets.tolist()
-    _HOST_OFFSETS[id(offsets)] = (weakref.ref(offsets), offsets._version, values)
+    """Return ``offsets.tolist()``, read once per tensor rather than once per attention layer (see ``host_copies``)."""
+    cached = _cached(offsets)
+    if cached is not None and cached[1] is not None:
+        return cached[1]
+    host = host_copies(offsets)[0]
+    values = host.tolist()
+    _remember(offsets, host, values)
     return values
+
+
+def to_device_with_host_copy(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Move host metadata to ``device`` and remember the host copy, so reading it back later costs no transfer."""
+    moved = host.to(device)
+    if moved is not host:
+        _remember(moved, host, None)
+    return moved

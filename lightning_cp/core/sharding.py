@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_cp.core.packed import host_copies, to_device_with_host_copy
+from lightning_cp.core.zigzag import check_offsets, contiguous_padding_multiple, contiguous_shard, padded_length
+
 IGNORE_INDEX = -100
 
 
@@ -26,6 +29,7 @@ class ShardedBatch:
     sequence_length: int
     padded_sequence_length: int
     padding_token_count: int
+    max_sequence_length: int
     cu_seqlens: torch.Tensor | None
     cu_seqlens_padded: torch.Tensor | None
 
@@ -50,18 +54,14 @@ def document_position_ids(cu_seqlens: torch.Tensor, token_count: int) -> torch.T
     offsets = cu_seqlens.long()
     positions = torch.arange(token_count, dtype=torch.long, device=cu_seqlens.device)
     document_index = torch.searchsorted(offsets[1:], positions, right=True).clamp(max=offsets.numel() - 2)
-    position_ids = positions - offsets[document_index]
-    position_ids[positions >= offsets[-1]] = 0
-    return position_ids
+    return (positions - offsets[document_index]).masked_fill(positions >= offsets[-1], 0)
 
 
-def padded_length(length: int, multiple: int) -> int:
-    """Return the smallest multiple of ``multiple`` that is at least ``length``."""
-    return -(-length // multiple) * multiple
+def validate_replica_batch(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """Check a replica batch against the batch contract; return a packed batch's offsets on the host (int32).
 
-
-def validate_replica_batch(batch: Mapping[str, torch.Tensor]) -> None:
-    """Check a replica batch against the batch contract; raise ``ValueError`` naming what is wrong."""
+    Raises ``ValueError`` naming what is wrong. The offsets are read from the device once, here.
+    """
     if "input_ids" not in batch:
         raise ValueError(f"a batch needs 'input_ids'; got keys {sorted(batch)}")
     input_ids = batch["input_ids"]
@@ -72,18 +72,17 @@ def validate_replica_batch(batch: Mapping[str, torch.Tensor]) -> None:
         raise ValueError(f"labels shape {tuple(labels.shape)} differs from input_ids shape {tuple(input_ids.shape)}")
     cu_seqlens = batch.get("cu_seqlens")
     if cu_seqlens is None:
-        return
+        return None
     if input_ids.shape[0] != 1:
         raise ValueError(f"a packed batch has batch size 1; got input_ids shape {tuple(input_ids.shape)}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
         raise ValueError(f"cu_seqlens must be a 1-D integer tensor of n + 1 offsets; got {cu_seqlens}")
+    host = host_copies(cu_seqlens)[0].to(torch.int32)
+    check_offsets("cu_seqlens", host)
     token_count = input_ids.shape[1]
-    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != token_count:
-        raise ValueError(
-            f"cu_seqlens must start at 0 and end at the token count {token_count}; got {cu_seqlens.tolist()}"
-        )
-    if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
-        raise ValueError(f"cu_seqlens must be non-decreasing; got {cu_seqlens.tolist()}")
+    if int(host[-1]) != token_count:
+        raise ValueError(f"cu_seqlens must start at 0 and end at the token count {token_count}; got {host.tolist()}")
+    return host
 
 
 def shard_replica_batch(
@@ -100,30 +99,29 @@ def shard_replica_batch(
     chunks). With sequence parallelism the shard is the ``cp_rank * tp + tp_rank``-th of ``cp * tp`` slices, else
     the ``cp_rank``-th of ``cp`` (every TP rank holds the CP rank's tokens).
     """
-    validate_replica_batch(batch)
+    host_offsets = validate_replica_batch(batch)
     input_ids = batch["input_ids"]
     labels = batch.get("labels", input_ids)
-    cu_seqlens = batch.get("cu_seqlens")
-    if cu_seqlens is not None:
-        cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
     batch_size, sequence_length = input_ids.shape
-    shifted_labels = shift_labels(labels, cu_seqlens)
-    multiple = cp_size * tp_size if cu_seqlens is not None else 2 * cp_size * tp_size
+    multiple = contiguous_padding_multiple(cp_size, tp_size, packed=host_offsets is not None)
     padded_sequence_length = padded_length(sequence_length, multiple)
     padding = padded_sequence_length - sequence_length
-    if cu_seqlens is not None:
+    cu_seqlens = cu_seqlens_padded = None
+    max_sequence_length = sequence_length
+    if host_offsets is not None:
+        host_padded = host_offsets.clone()
+        host_padded[-1] = padded_sequence_length
+        cu_seqlens = to_device_with_host_copy(host_offsets, input_ids.device)
+        cu_seqlens_padded = to_device_with_host_copy(host_padded, input_ids.device)
+        max_sequence_length = int((host_offsets[1:] - host_offsets[:-1]).max())
         position_ids = document_position_ids(cu_seqlens, padded_sequence_length).unsqueeze(0)
-        cu_seqlens_padded = cu_seqlens.clone()
-        cu_seqlens_padded[-1] = padded_sequence_length
     else:
         position_ids = torch.arange(padded_sequence_length, device=input_ids.device).expand(batch_size, -1)
         position_ids = position_ids.masked_fill(position_ids >= sequence_length, 0)
-        cu_seqlens_padded = None
+    shifted_labels = shift_labels(labels, cu_seqlens)
     padded_input_ids = torch.nn.functional.pad(input_ids, (0, padding), value=0)
     padded_labels = torch.nn.functional.pad(shifted_labels, (0, padding), value=IGNORE_INDEX)
-    shard_count, shard_index = (
-        (cp_size * tp_size, cp_rank * tp_size + tp_rank) if sequence_parallel else (cp_size, cp_rank)
-    )
+    shard_count, shard_index = contiguous_shard(cp_size, cp_rank, tp_size, tp_rank, sequence_parallel)
     shard_length = padded_sequence_length // shard_count
     shard = slice(shard_index * shard_length, (shard_index + 1) * shard_length)
     return ShardedBatch(
@@ -135,6 +133,7 @@ def shard_replica_batch(
         sequence_length=sequence_length,
         padded_sequence_length=padded_sequence_length,
         padding_token_count=batch_size * padding,
+        max_sequence_length=max_sequence_length,
         cu_seqlens=cu_seqlens,
         cu_seqlens_padded=cu_seqlens_padded,
     )

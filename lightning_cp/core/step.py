@@ -1,44 +1,115 @@
-"""The active per-step context-parallel state and ``cp_attention``, the attention entry point for model code."""
+"""One step's context-parallel state: built from a sharded replica batch and the run's setting, active per step."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from lightning_cp.core.attention.api import zigzag_attention
-from lightning_cp.core.layout.api import ContextParallelLayoutState, CPLayout
-from lightning_cp.core.packed import PackedSeqParams, host_offsets
+from lightning_cp.core.attention.api import MODES, AttentionMode
+from lightning_cp.core.layout.api import ContextParallelLayoutManager, ContextParallelLayoutState
+from lightning_cp.core.mesh import ContextParallelMesh
+from lightning_cp.core.packed import PackedSeqParams, host_copies
+from lightning_cp.core.sharding import ShardedBatch
+from lightning_cp.core.zigzag import CPLayout, ZigzagGeometry, as_layout, check_offsets, zigzag_padded_lengths
 
 
-@dataclass
-class ContextParallelStep:
-    """What one training/evaluation step shares with the model: groups, layout state and packed metadata.
+@dataclass(frozen=True)
+class ContextParallelSetting:
+    """What every step of a run shares: the mesh (groups and sizes) and the options that choose among them.
 
-    ``layout_state`` is the manager's state of the batch (``None`` only at cp=1): it converts the wrapped layers'
-    residual stream where their layout changes (nothing without a layout transition) and any other per-token tensor.
-    Wrapped layers push their layout on entry and pop it on exit, so ``cp_attention`` sees the layout of the layer it
-    runs in; outside every wrapped layer it sees the boundary layout.
+    ``sequence_parallel``: the residual stream is also sharded over the TP ranks; ``boundary_layout``: the layout of
+    the residual stream outside the wrapped layers; ``attention_mode``: ``"allgather"`` or ``"ring"``.
     """
 
-    cp_size: int
-    cp_group: ProcessGroup | None = None
-    tp_group: ProcessGroup | None = None
-    tp_cp_group: ProcessGroup | None = None
+    mesh: ContextParallelMesh = field(default_factory=ContextParallelMesh.single_process)
     sequence_parallel: bool = False
-    attention_mode: str = "allgather"
     boundary_layout: CPLayout = CPLayout.CONTIGUOUS
-    layout_state: ContextParallelLayoutState | None = None
+    attention_mode: str = "allgather"
+
+    def __post_init__(self) -> None:
+        """Accept the boundary layout as a string and check the attention mode."""
+        object.__setattr__(self, "boundary_layout", as_layout(self.boundary_layout))
+        if self.attention_mode not in MODES:
+            expected = " or ".join(repr(mode) for mode in MODES)
+            raise ValueError(f"attention_mode={self.attention_mode!r} is invalid: expected {expected}")
+        object.__setattr__(self, "attention_mode", AttentionMode(self.attention_mode).value)
+
+    @property
+    def loss_group(self) -> ProcessGroup | None:
+        """Return the group whose ranks together hold the replica's tokens (TP x CP with sequence parallelism)."""
+        return self.mesh.tp_cp_group if self.sequence_parallel else self.mesh.cp_group
+
+    def layout_manager(self, layer_layouts: tuple[CPLayout, ...], seq_dim: int) -> ContextParallelLayoutManager:
+        """Return the layout manager of a stack of layers with these layouts, over this setting's groups."""
+        mesh = self.mesh
+        return ContextParallelLayoutManager(
+            layer_layouts,
+            self.boundary_layout,
+            self.sequence_parallel,
+            mesh.cp_group,
+            mesh.tp_group,
+            mesh.tp_cp_group,
+            seq_dim=seq_dim,
+        )
+
+
+@dataclass(eq=False)
+class ContextParallelStep:
+    """What one training/evaluation step shares with the model: the setting, the batch's layout state and geometry.
+
+    ``layout_state`` (``None`` only at cp=1) converts the wrapped layers' residual stream where their layout changes
+    and any other per-token tensor of the batch; ``geometry`` describes the batch in the zigzag layout (what the
+    attention plans from). Wrapped layers set the current layout on entry and reset it on exit, so ``cp_attention``
+    sees the layout of the layer it runs in; outside every wrapped layer it sees the boundary layout.
+    """
+
+    setting: ContextParallelSetting = field(default_factory=ContextParallelSetting)
     contiguous_packed_seq_params: PackedSeqParams | None = None
-    zigzag_packed_seq_params: PackedSeqParams | None = None
+    layout_state: ContextParallelLayoutState | None = None
+    geometry: ZigzagGeometry | None = None
     dense_padding: int = 0
+    owner: Any = None
     layer_conversion_count: int = 0
-    _entered_layouts: list[CPLayout] = field(default_factory=list)
+    recomputing: bool = False
+    marked_layers: set[int] = field(default_factory=set)
+    _current_layout: CPLayout | None = None
+    _active_before_backward: ContextParallelStep | None = None
     _side_input_cache: dict[tuple[int, CPLayout], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def cp_size(self) -> int:
+        """Return the number of ranks sharing the sequence."""
+        return self.setting.mesh.cp_size
+
+    @property
+    def cp_group(self) -> ProcessGroup | None:
+        """Return the context-parallel group (``None`` at cp=1)."""
+        return self.setting.mesh.cp_group
+
+    @property
+    def attention_mode(self) -> str:
+        """Return the attention mode of the run."""
+        return self.setting.attention_mode
+
+    @property
+    def boundary_layout(self) -> CPLayout:
+        """Return the layout outside the wrapped layers."""
+        return self.setting.boundary_layout
+
+    @property
+    def loss_group(self) -> ProcessGroup | None:
+        """Return the group whose ranks together hold the replica's tokens."""
+        return self.setting.loss_group
+
+    @property
+    def zigzag_packed_seq_params(self) -> PackedSeqParams | None:
+        """Return the packed metadata of the zigzag layout (``None`` for dense batches and at cp=1)."""
+        return None if self.layout_state is None else self.layout_state.zigzag_packed_seq_params
 
     @property
     def is_packed(self) -> bool:
@@ -47,31 +118,43 @@ class ContextParallelStep:
 
     @property
     def current_layout(self) -> CPLayout:
-        """Return the layout of the innermost wrapped layer running now, else the boundary layout."""
-        return self._entered_layouts[-1] if self._entered_layouts else self.boundary_layout
-
-    @property
-    def loss_group(self) -> ProcessGroup | None:
-        """Return the group whose ranks together hold the replica's tokens (TP x CP with sequence parallelism)."""
-        return self.tp_cp_group if self.sequence_parallel else self.cp_group
+        """Return the layout of the wrapped layer running now, else the boundary layout."""
+        return self.boundary_layout if self._current_layout is None else self._current_layout
 
     def enter_layer(self, layer_index: int, layout: CPLayout, hidden_states: torch.Tensor) -> torch.Tensor:
         """Convert a wrapped layer's input to its layout and make that layout current."""
         converted = hidden_states
         if self.layout_state is not None:
             converted, _ = self.layout_state.prepare_layer(layer_index, hidden_states)
-        self.layer_conversion_count += converted is not hidden_states
-        self._entered_layouts.append(layout)
+        self.layer_conversion_count += converted is not hidden_states and not self.recomputing
+        self._current_layout = layout
         return converted
 
     def exit_layer(self, layer_index: int, hidden_states: torch.Tensor) -> torch.Tensor:
         """Leave a wrapped layer, restoring the boundary layout after the last one."""
-        self._entered_layouts.pop()
+        self._current_layout = None
         if self.layout_state is None:
             return hidden_states
         restored = self.layout_state.finalize_layer(layer_index, hidden_states)
-        self.layer_conversion_count += restored is not hidden_states
+        self.layer_conversion_count += restored is not hidden_states and not self.recomputing
         return restored
+
+    def resume_in_backward(self, layout: CPLayout) -> None:
+        """Make this step and ``layout`` current while autograd runs back through a wrapped layer.
+
+        Whatever the layer recomputes there (activation checkpointing) sees its forward's state; conversions it
+        repeats are not counted.
+        """
+        self._active_before_backward = active_step()
+        set_active_step(self)
+        self.recomputing = True
+        self._current_layout = layout
+
+    def leave_in_backward(self) -> None:
+        """Undo ``resume_in_backward`` once autograd has passed the wrapped layer's input."""
+        self._current_layout = None
+        self.recomputing = False
+        set_active_step(self._active_before_backward)
 
     def convert(self, tensor: torch.Tensor, source: CPLayout, target: CPLayout) -> torch.Tensor:
         """Convert a batch-first per-token tensor between layouts with this step's plan."""
@@ -91,11 +174,84 @@ class ContextParallelStep:
         return cached[1]
 
 
+def contiguous_packed_seq_params(sharded: ShardedBatch) -> PackedSeqParams | None:
+    """Return the metadata of a packed replica batch as the contiguous residual stream holds it."""
+    if sharded.cu_seqlens is None or sharded.cu_seqlens_padded is None:
+        return None
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=sharded.cu_seqlens,
+        cu_seqlens_kv=sharded.cu_seqlens,
+        cu_seqlens_q_padded=sharded.cu_seqlens_padded,
+        cu_seqlens_kv_padded=sharded.cu_seqlens_padded,
+        max_seqlen_q=sharded.max_sequence_length,
+        max_seqlen_kv=sharded.max_sequence_length,
+        total_tokens=sharded.padded_sequence_length,
+        pad_between_seqs=sharded.padding_token_count > 0,
+    )
+
+
+def build_step(
+    setting: ContextParallelSetting,
+    sharded: ShardedBatch,
+    manager: ContextParallelLayoutManager | None = None,
+    owner: Any = None,
+) -> ContextParallelStep:
+    """Build a step's state from this rank's shard of a replica batch: everything the batch needs, planned once.
+
+    For a packed batch the offsets reach the host once; the layout plan (through ``manager``, or one with no layer
+    of its own) and the zigzag geometry (for attention and the metrics) are both derived from that copy.
+    """
+    packed_seq_params = contiguous_packed_seq_params(sharded)
+    step = ContextParallelStep(
+        setting,
+        packed_seq_params,
+        dense_padding=0 if sharded.is_packed else sharded.padding_token_count,
+        owner=owner,
+    )
+    mesh = setting.mesh
+    if mesh.cp_size == 1:
+        return step
+    if manager is None:
+        manager = setting.layout_manager((), seq_dim=1)
+    if packed_seq_params is None:
+        step.geometry = ZigzagGeometry.dense(mesh.cp_size, sharded.padded_sequence_length)
+    else:
+        actual, physical = host_copies(sharded.cu_seqlens, sharded.cu_seqlens_padded)
+        lengths = check_offsets("cu_seqlens", actual)
+        tp = mesh.tp_size if setting.sequence_parallel else 1
+        padded = zigzag_padded_lengths(check_offsets("cu_seqlens_padded", physical), mesh.cp_size, tp)
+        step.geometry = ZigzagGeometry.packed(mesh.cp_size, lengths.tolist(), padded.tolist())
+    step.layout_state = manager.build_conversion_state(packed_seq_params)
+    return step
+
+
+def step_metrics(step: ContextParallelStep, sharded: ShardedBatch) -> Mapping[str, float]:
+    """Return tokens, padding fraction and attention work imbalance (max/mean over CP ranks) of one replica batch."""
+    batch_size = sharded.input_ids.shape[0]
+    if sharded.is_packed and step.geometry is not None:
+        slots = sum(step.geometry.padded_lengths)
+    else:
+        slots = batch_size * sharded.padded_sequence_length
+    if step.geometry is None:
+        imbalance = 1.0
+    elif sharded.is_packed:
+        imbalance = step.geometry.imbalance(causal=True)
+    else:
+        real = ZigzagGeometry.dense(step.cp_size, sharded.sequence_length, sharded.padded_sequence_length)
+        imbalance = real.imbalance(causal=True)
+    return {
+        "tokens": float(sharded.real_token_count),
+        "padding_fraction": 1.0 - sharded.real_token_count / max(slots, 1),
+        "attention_imbalance": imbalance,
+    }
+
+
 _active_step: ContextParallelStep | None = None
 
 
 def active_step() -> ContextParallelStep | None:
-    """Return the step state set by ``ContextParallelLayoutCallback``, or ``None`` outside a CP step."""
+    """Return the active step state, or ``None`` outside a CP step."""
     return _active_step
 
 
@@ -114,79 +270,3 @@ def activated(step: ContextParallelStep) -> Iterator[ContextParallelStep]:
         yield step
     finally:
         set_active_step(previous)
-
-
-def local_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = True,
-    softmax_scale: float | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Single-device attention on batch-first ``[B, S, H, D]``; with ``cu_seqlens`` tokens attend within documents.
-
-    Packed rows run one fused attention call per document (tokens past ``cu_seqlens[-1]`` form one more segment).
-    """
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
-        raise ValueError(f"query heads {q.shape[2]} are not a multiple of key/value heads {k.shape[2]}")
-    query, key, value = (tensor.transpose(1, 2) for tensor in (q, k, v))
-    if cu_seqlens is None:
-        segments = [(query, key, value)]
-    else:
-        offsets = host_offsets(cu_seqlens)
-        lengths = [end - start for start, end in zip(offsets, offsets[1:], strict=False)] + [q.shape[1] - offsets[-1]]
-        lengths = [length for length in lengths if length > 0]
-        segments = list(zip(*(tensor.split(lengths, dim=2) for tensor in (query, key, value)), strict=True))
-    outputs = [
-        F.scaled_dot_product_attention(
-            segment_q, segment_k, segment_v, is_causal=causal, scale=softmax_scale, enable_gqa=True
-        )
-        for segment_q, segment_k, segment_v in segments
-    ]
-    return torch.cat(outputs, dim=2).transpose(1, 2)
-
-
-def cp_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = True,
-    softmax_scale: float | None = None,
-) -> torch.Tensor:
-    """Attention for model code on batch-first ``[B, S_local, H, D]`` shards (packed: ``B == 1``).
-
-    Under an active CP step it runs ``zigzag_attention`` over the CP group with the step's attention mode and the
-    packed metadata of the layer it runs in, converting q/k/v to zigzag (and the output back) when that layer is not
-    zigzag. Without CP it is single-device attention, masked per document for packed batches.
-    """
-    step = _active_step
-    if step is None or step.cp_size == 1:
-        cu_seqlens = step.contiguous_packed_seq_params.cu_seqlens_q if step is not None and step.is_packed else None
-        return local_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
-    if not causal and not step.is_packed and step.dense_padding:
-        raise ValueError(
-            f"bidirectional dense attention would see {step.dense_padding} padding tokens per row: make the sequence "
-            f"length divisible by 2 x cp x tp or use packed batches"
-        )
-    layout = step.current_layout
-    if layout != CPLayout.ZIGZAG:
-        q, k, v = (step.convert(tensor, layout, CPLayout.ZIGZAG) for tensor in (q, k, v))
-    packed = step.is_packed  # packed: [1, T, H, D] -> [T, H, D]; dense: [B, S, H, D] -> [S, B, H, D]
-    q, k, v = (tensor[0] if packed else tensor.transpose(0, 1) for tensor in (q, k, v))
-    output = zigzag_attention(
-        q,
-        k,
-        v,
-        step.cp_group,
-        packed_seq_params=step.zigzag_packed_seq_params if packed else None,
-        causal=causal,
-        softmax_scale=softmax_scale,
-        mode=step.attention_mode,
-    )
-    output = output.unsqueeze(0) if packed else output.transpose(0, 1)
-    if layout != CPLayout.ZIGZAG:
-        output = step.convert(output, CPLayout.ZIGZAG, layout)
-    return output

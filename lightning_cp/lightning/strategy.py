@@ -17,18 +17,20 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
 from lightning_cp.core import comm
-from lightning_cp.core.layout.api import CPLayout
+from lightning_cp.core.attention.api import MODES
 from lightning_cp.core.mesh import (
     ContextParallelMesh,
     build_context_parallel_mesh,
     resolve_parallel_dims,
     validate_parallel_sizes,
 )
+from lightning_cp.core.step import ContextParallelSetting
+from lightning_cp.core.zigzag import LAYOUT_NAMES
+from lightning_cp.lightning import dtensor_params
 from lightning_cp.lightning.callback import ContextParallelLayoutCallback
-
-ATTENTION_MODES = ("allgather", "ring")
 
 
 class CPZigzagStrategy(DDPStrategy):
@@ -72,9 +74,9 @@ class CPZigzagStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         validate_parallel_sizes(context_parallel_size, tensor_parallel_size, data_parallel_size, sequence_parallel)
-        if boundary_layout not in tuple(layout.value for layout in CPLayout):
+        if boundary_layout not in LAYOUT_NAMES:
             raise ValueError(f"boundary_layout={boundary_layout!r} is invalid: expected 'contiguous' or 'zigzag'")
-        if attention_mode not in ATTENTION_MODES:
+        if attention_mode not in MODES:
             raise ValueError(f"attention_mode={attention_mode!r} is invalid: expected 'allgather' or 'ring'")
         super().__init__(
             accelerator=accelerator,
@@ -93,15 +95,20 @@ class CPZigzagStrategy(DDPStrategy):
         self.sequence_parallel = sequence_parallel
         self.boundary_layout = boundary_layout
         self.attention_mode = attention_mode
-        self._cp_mesh: ContextParallelMesh | None = None
-        self._localized_parameters: comm.LocalizedTensorParallelParameters | None = None
+        self._cp_setting: ContextParallelSetting | None = None
+        self._localized_parameters: dtensor_params.LocalizedTensorParallelParameters | None = None
+
+    @property
+    def cp_setting(self) -> ContextParallelSetting:
+        """Return the run's parallel setting: the mesh and the CP options (available once processes are started)."""
+        if self._cp_setting is None:
+            raise RuntimeError("the cp_zigzag device mesh exists only after the strategy set up its processes")
+        return self._cp_setting
 
     @property
     def cp_mesh(self) -> ContextParallelMesh:
         """Return the mesh and its groups (available once processes are initialised)."""
-        if self._cp_mesh is None:
-            raise RuntimeError("the cp_zigzag device mesh exists only after the strategy set up its processes")
-        return self._cp_mesh
+        return self.cp_setting.mesh
 
     @property
     def device_mesh(self) -> Any:
@@ -109,15 +116,18 @@ class CPZigzagStrategy(DDPStrategy):
         return self.cp_mesh.device_mesh
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Split data over the data-parallel replicas only."""
         return {"num_replicas": self.cp_mesh.dims.data_parallel, "rank": self.cp_mesh.dp_rank}
 
+    @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Move the batch and copy a dict batch, so the callback's in-place sharding never touches the dataset's."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
         return copy.copy(batch) if isinstance(batch, MutableMapping) else batch
 
+    @override
     def connect(self, model: pl.LightningModule) -> None:
         """Attach the model and add a default ``ContextParallelLayoutCallback`` unless the trainer has one."""
         super().connect(model)
@@ -125,6 +135,7 @@ class CPZigzagStrategy(DDPStrategy):
         if trainer is not None and not any(isinstance(cb, ContextParallelLayoutCallback) for cb in trainer.callbacks):
             trainer.callbacks.append(ContextParallelLayoutCallback())
 
+    @override
     def setup_environment(self) -> None:
         """Check the sizes against the world size, start the process group, build the mesh and wait for all ranks."""
         context_parallel_size = self.context_parallel_size or max(1, self.num_processes // self.tensor_parallel_size)
@@ -136,11 +147,15 @@ class CPZigzagStrategy(DDPStrategy):
             self.sequence_parallel,
         )
         super().setup_environment()
-        self._cp_mesh = build_context_parallel_mesh(self.root_device.type, dims)
+        mesh = build_context_parallel_mesh(self.root_device.type, dims)
+        self._cp_setting = ContextParallelSetting(
+            mesh, self.sequence_parallel, self.boundary_layout, self.attention_mode
+        )
         self.barrier("cp_zigzag mesh built")
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._cp_mesh.device_mesh
+        self.lightning_module._device_mesh = mesh.device_mesh
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         """Like ``DDPStrategy.setup``, but evaluation synchronises weights over DP x CP instead of the whole world."""
         assert self.accelerator is not None
@@ -160,14 +175,16 @@ class CPZigzagStrategy(DDPStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
         """Wrap the model in DDP over the DP x CP group (tensor-parallel DTensor parameters reduced as local shards)."""
-        self._localized_parameters = comm.LocalizedTensorParallelParameters(model)
+        self._localized_parameters = dtensor_params.LocalizedTensorParallelParameters(model)
         device_ids = self.determine_ddp_device_ids()
         return DistributedDataParallel(
             module=model, device_ids=device_ids, process_group=self.cp_mesh.dp_cp_group, **self._ddp_kwargs
         )
 
+    @override
     def teardown(self) -> None:
         """Make tensor-parallel parameters DTensors again, then tear down as DDP does."""
         if self._localized_parameters is not None:
@@ -175,17 +192,20 @@ class CPZigzagStrategy(DDPStrategy):
             self._localized_parameters = None
         super().teardown()
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Return the module state with tensor-parallel parameters gathered, so checkpoints load at any parallelism."""
         assert self.lightning_module is not None
-        return comm.full_module_state(self.lightning_module)
+        return dtensor_params.full_module_state(self.lightning_module)
 
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load a full-state checkpoint, cutting this rank's shard of every tensor-parallel parameter."""
         assert self.lightning_module is not None
-        comm.load_full_module_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
+        dtensor_params.load_full_module_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register ``"cp_zigzag"``."""
         if cls.strategy_name not in strategy_registry:

@@ -6,6 +6,7 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
+from enum import Enum
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,22 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from lightning_cp.lightning.callback import DEFAULT_CONTIGUOUS_LAYERS, DEFAULT_ZIGZAG_LAYERS
+from lightning_cp.core.attention.api import MODES
+from lightning_cp.core.runtime import LayerPolicy
+from lightning_cp.core.zigzag import LAYOUT_NAMES
 from lightning_cp.train.models.llama import LlamaConfig
+
+
+def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
+    """An Enum whose member names are the accepted strings, so omegaconf checks them and YAML shows them plainly."""
+    return Enum(name, [(value, value) for value in values], type=str)
+
+
+Accelerator = _choices("Accelerator", ("cpu", "gpu", "cuda", "auto"))
+Precision = _choices("Precision", ("64-true", "32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true"))
+BoundaryLayout = _choices("BoundaryLayout", LAYOUT_NAMES)
+AttentionMode = _choices("AttentionMode", MODES)
+ProcessGroupBackend = _choices("ProcessGroupBackend", ("gloo", "nccl"))
 
 
 class ConfigError(ValueError):
@@ -48,10 +63,10 @@ class DataConfig:
 class TrainerConfig:
     """Arguments of ``lightning.pytorch.Trainer``."""
 
-    accelerator: str = "cpu"
+    accelerator: Accelerator = Accelerator["cpu"]
     devices: Any = 2
     num_nodes: int = 1
-    precision: str = "32-true"
+    precision: Precision = Precision["32-true"]
     max_steps: int = 300
     max_epochs: int | None = None
     val_check_interval: Any = 25
@@ -72,18 +87,18 @@ class StrategyConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: Any = "auto"
     sequence_parallel: bool = False
-    boundary_layout: str = "contiguous"
-    attention_mode: str = "allgather"
-    process_group_backend: str | None = None
+    boundary_layout: BoundaryLayout = BoundaryLayout["contiguous"]
+    attention_mode: AttentionMode = AttentionMode["allgather"]
+    process_group_backend: ProcessGroupBackend | None = None
 
 
 @dataclass
 class LayoutConfig:
     """Layout policy of ``ContextParallelLayoutCallback``: which blocks need zigzag or contiguous input."""
 
-    zigzag_layers: list[str] = field(default_factory=lambda: list(DEFAULT_ZIGZAG_LAYERS))
-    contiguous_layers: list[str] = field(default_factory=lambda: list(DEFAULT_CONTIGUOUS_LAYERS))
-    side_inputs: list[str] = field(default_factory=lambda: ["position_ids"])
+    zigzag_layers: list[str] = field(default_factory=lambda: list(LayerPolicy.zigzag_layers))
+    contiguous_layers: list[str] = field(default_factory=lambda: list(LayerPolicy.contiguous_layers))
+    side_inputs: list[str] = field(default_factory=lambda: list(LayerPolicy.side_inputs))
     log_metrics: bool = True
 
 
@@ -123,13 +138,6 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
-CHOICES: dict[str, tuple[Any, ...]] = {
-    "trainer.accelerator": ("cpu", "gpu", "cuda", "auto"),
-    "trainer.precision": ("64-true", "32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true"),
-    "strategy.boundary_layout": ("contiguous", "zigzag"),
-    "strategy.attention_mode": ("allgather", "ring"),
-    "strategy.process_group_backend": (None, "gloo", "nccl"),
-}
 POSITIVE = (
     "model.vocab_size",
     "model.hidden_size",
@@ -160,8 +168,6 @@ def _schema_node(full_key: str) -> tuple[type | None, str]:
 
 def _describe(full_key: str) -> str:
     """Describe what ``full_key`` accepts: its choices, or its declared type."""
-    if full_key in CHOICES:
-        return "one of " + ", ".join("null" if c is None else str(c) for c in CHOICES[full_key])
     holder, leaf = _schema_node(full_key)
     if holder is None:
         return "a value"
@@ -169,6 +175,8 @@ def _describe(full_key: str) -> str:
     optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
     if optional:
         hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        return "one of " + ", ".join(["null"] * optional + [member.name for member in hint])
     text = hint.__name__ if typing.get_origin(hint) is None else str(hint)
     return f"a value of type {text}" + (" or null" if optional else "")
 
@@ -183,16 +191,12 @@ def _explain(error: OmegaConfBaseException, origin: str, layer: Any) -> ConfigEr
         return ConfigError(f"unknown key '{full_key or leaf}' in {origin}; allowed keys in {section}: {allowed}")
     if isinstance(error, ValidationError):
         value = OmegaConf.select(layer, full_key, default="?", throw_on_missing=False)
-        return ConfigError(f"{full_key}: got '{value}' from {origin}; expected {_describe(full_key)}")
+        return ConfigError(f"{full_key}: got '{value}'; expected {_describe(full_key)} (in {origin})")
     return ConfigError(f"{origin}: {str(error).splitlines()[0]}")
 
 
 def _check_values(cfg: DictConfig) -> None:
-    """Check choices, positive sizes and the world size against cp x tp."""
-    for key, allowed in CHOICES.items():
-        value = OmegaConf.select(cfg, key)
-        if value not in allowed:
-            raise ConfigError(f"{key}: got '{value}'; expected {_describe(key)}")
+    """Check positive sizes and the world size against cp x tp (omegaconf checked types and choices)."""
     for key in POSITIVE:
         value = OmegaConf.select(cfg, key)
         if value < 1:
@@ -261,6 +265,11 @@ def load_config(config_file: str | None = None, overrides: list[str] | tuple[str
             raise _explain(error, origin, layer) from None
     _check_values(cfg)
     return cfg
+
+
+def plain(node: DictConfig) -> dict[str, Any]:
+    """Return a configuration section as plain Python values (choices as their strings), for constructors."""
+    return OmegaConf.to_container(node, enum_to_str=True)
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -9,12 +9,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from lightning_cp.lightning.callback import ContextParallelLayoutCallback
 from lightning_cp.lightning.strategy import CPZigzagStrategy
 from lightning_cp.train import runfolder
-from lightning_cp.train.config import ConfigError
+from lightning_cp.train.config import ConfigError, plain
 from lightning_cp.train.data import PackedTextDataModule
 from lightning_cp.train.data.sources import EMBEDDED
 from lightning_cp.train.models import LlamaLM
@@ -39,9 +39,9 @@ def build_datamodule(cfg: DictConfig) -> PackedTextDataModule:
 
 def build_model(cfg: DictConfig) -> LlamaLM:
     """Return the reference model of ``cfg.model`` and ``cfg.optim``, with weights from ``checkpoint.init_from``."""
-    optim = OmegaConf.to_container(cfg.optim)
+    optim = plain(cfg.optim)
     optim["betas"] = tuple(optim["betas"])
-    model = LlamaLM(**OmegaConf.to_container(cfg.model), **optim)
+    model = LlamaLM(**plain(cfg.model), **optim)
     if cfg.checkpoint.init_from:
         model.load_state_dict(load_checkpoint_meta(cfg.checkpoint.init_from)["state_dict"])
     return model
@@ -49,7 +49,7 @@ def build_model(cfg: DictConfig) -> LlamaLM:
 
 def build_strategy(cfg: DictConfig) -> CPZigzagStrategy:
     """Return the ``cp_zigzag`` strategy of ``cfg.strategy``."""
-    kwargs: dict[str, Any] = OmegaConf.to_container(cfg.strategy)
+    kwargs: dict[str, Any] = plain(cfg.strategy)
     return CPZigzagStrategy(**kwargs)
 
 
@@ -64,11 +64,11 @@ def build_trainer(cfg: DictConfig, run_dir: Path, *, log: bool = True) -> pl.Tra
         monitor=None,
         save_last=True,
     )
-    trainer_args: dict[str, Any] = OmegaConf.to_container(cfg.trainer)
+    trainer_args: dict[str, Any] = plain(cfg.trainer)
     interval, max_steps = trainer_args["val_check_interval"], trainer_args["max_steps"]
     if isinstance(interval, int) and 0 < max_steps < interval:
         trainer_args["val_check_interval"] = max_steps
-    layout_callback = ContextParallelLayoutCallback(**OmegaConf.to_container(cfg.layout))
+    layout_callback = ContextParallelLayoutCallback(**plain(cfg.layout))
     return pl.Trainer(
         **trainer_args,
         strategy=build_strategy(cfg),
@@ -90,7 +90,7 @@ def check_checkpoint_fits(cfg: DictConfig, path: str, key: str) -> dict[str, Any
     saved = checkpoint.get("hyper_parameters", {})
     differing = [
         f"model.{name} is {saved[name]!r} in the checkpoint but {value!r} in the config"
-        for name, value in OmegaConf.to_container(cfg.model).items()
+        for name, value in plain(cfg.model).items()
         if name in saved and saved[name] != value and name != "activation_checkpointing"
     ]
     if differing:

@@ -1,6 +1,6 @@
 """Context-parallel attention on zigzag shards, dense or packed, exact versus single-device attention.
 
-Each CP rank holds chunks ``r`` and ``2cp-1-r`` of every sequence (see ``shared/DESIGN.md`` §1, §4). Internally the
+Each CP rank holds chunks ``r`` and ``2cp-1-r`` of every sequence (``lightning_cp.core.zigzag``). Internally the
 local tokens are reordered "half-major" (chunk ``r`` of every sequence, then chunk ``2cp-1-r``), so each rank's keys
 split into two halves and attention runs over (query half, source rank, key half) blocks, each cut into sub-blocks
 of whole documents; blocks the mask leaves empty are skipped, which is what balances causal work. ``allgather``
@@ -14,7 +14,7 @@ import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
-from itertools import pairwise
+from enum import Enum
 
 import torch
 from torch import Tensor
@@ -26,7 +26,6 @@ from lightning_cp.core.attention.kernels import (
     MATH,
     BlockKernel,
     BlockPlan,
-    RankTokens,
     accumulation_dtype,
     backward_source,
     build_block_plan,
@@ -36,49 +35,24 @@ from lightning_cp.core.attention.kernels import (
     new_accumulator,
 )
 from lightning_cp.core.packed import PackedSeqParams, host_offsets
+from lightning_cp.core.zigzag import LAYOUT_NAMES, RankTokens, ZigzagGeometry, check_offsets
 
 logger = logging.getLogger("lightning_cp.core.attention.api")
 
-MODES = ("allgather", "ring")
+
+
+class AttentionMode(str, Enum):
+    """How K/V reach the other CP ranks: gathered at once (``allgather``) or passed around the ring (``ring``)."""
+
+    ALLGATHER = "allgather"
+    RING = "ring"
+
+
+MODES = tuple(mode.value for mode in AttentionMode)
 BACKENDS = ("auto", "cpu_flash", "math", "flash_attn")
 _KERNELS = {"cpu_flash": CPU_FLASH, "math": MATH}
 _LOGGED_CHOICES: set[tuple[str, str, str]] = set()
 _RING_KV_TAG, _RING_BACKWARD_KV_TAG, _RING_DKV_TAG = 0, 1, 2
-
-
-def zigzag_tokens(lengths: Sequence[int], padded: Sequence[int], cp: int, rank: int) -> RankTokens:
-    """Describe the tokens CP rank ``rank`` holds in the zigzag layout: chunks ``rank`` and ``2cp-1-rank`` of each."""
-    actual = torch.tensor(list(lengths), dtype=torch.int64)
-    chunk = torch.tensor(list(padded), dtype=torch.int64) // (2 * cp)
-    seq = torch.repeat_interleave(torch.arange(len(actual)), chunk)
-    starts = torch.cumsum(chunk, 0) - chunk
-    offset = torch.arange(int(chunk.sum())) - starts[seq]
-    docs, positions = [], []
-    for chunk_id in (rank, 2 * cp - 1 - rank):
-        pos = chunk_id * chunk[seq] + offset
-        docs.append(torch.where(pos < actual[seq], seq, -1))
-        positions.append(pos)
-    front_local = 2 * starts[seq] + offset
-    perm = torch.cat([front_local, front_local + chunk[seq]]) if len(actual) > 1 else None
-    return RankTokens(torch.cat(docs), torch.cat(positions), perm)
-
-
-def contiguous_tokens(lengths: Sequence[int], cp: int, rank: int) -> RankTokens:
-    """Describe rank ``rank``'s tokens when the packed stream is split evenly (padded at the end) into ``cp`` slices."""
-    actual = torch.tensor(list(lengths), dtype=torch.int64)
-    total = int(actual.sum())
-    per_rank = 2 * math.ceil(total / (2 * cp))
-    doc = torch.full((cp * per_rank,), -1, dtype=torch.int64)
-    pos = torch.zeros(cp * per_rank, dtype=torch.int64)
-    doc[:total] = torch.repeat_interleave(torch.arange(len(actual)), actual)
-    pos[:total] = torch.arange(total) - (torch.cumsum(actual, 0) - actual)[doc[:total]]
-    local = slice(rank * per_rank, (rank + 1) * per_rank)
-    return RankTokens(doc[local], pos[local], None)
-
-
-def padded_lengths(lengths: Sequence[int], cp: int) -> list[int]:
-    """Pad every length up to a multiple of ``2 * cp``, as the zigzag layout does."""
-    return [-(-length // (2 * cp)) * (2 * cp) for length in lengths]
 
 
 def attention_work_per_rank(
@@ -96,36 +70,17 @@ def attention_work_per_rank(
     """
     if not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size={cp_size!r}; expected a positive int")
-    lengths = _work_lengths(seq_len, cu_seqlens)
-    if layout == "zigzag":
-        padded = padded_lengths(lengths, cp_size)
-        tokens = [zigzag_tokens(lengths, padded, cp_size, rank) for rank in range(cp_size)]
-    elif layout == "contiguous":
-        tokens = [contiguous_tokens(lengths, cp_size, rank) for rank in range(cp_size)]
-    else:
-        raise ValueError(f"layout={layout!r}; expected 'zigzag' or 'contiguous'")
-    actual = torch.tensor(lengths, dtype=torch.int64)
-    return [_pair_count(rank_tokens, actual, causal) for rank_tokens in tokens]
-
-
-def _work_lengths(seq_len: int | None, cu_seqlens: Sequence[int] | Tensor | None) -> list[int]:
-    """Return the sequence lengths described by exactly one of ``seq_len`` and ``cu_seqlens``."""
     if (seq_len is None) == (cu_seqlens is None):
         raise ValueError(f"seq_len={seq_len!r}, cu_seqlens={cu_seqlens!r}; expected exactly one of them")
+    if layout not in LAYOUT_NAMES:
+        raise ValueError(f"layout={layout!r}; expected 'zigzag' or 'contiguous'")
     if seq_len is not None:
         if seq_len < 0:
             raise ValueError(f"seq_len={seq_len}; expected a non-negative int")
-        return [int(seq_len)]
-    offsets = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens)]
-    _check_offsets("cu_seqlens", offsets)
-    return [b - a for a, b in pairwise(offsets)]
-
-
-def _pair_count(tokens: RankTokens, lengths: Tensor, causal: bool) -> int:
-    """Sum, over the valid queries of one rank, the number of keys each one sees."""
-    valid = tokens.doc >= 0
-    seen = tokens.pos.masked_select(valid) + 1 if causal else lengths[tokens.doc.masked_select(valid)]
-    return int(seen.sum())
+        geometry = ZigzagGeometry.dense(cp_size, int(seq_len))
+    else:
+        geometry = ZigzagGeometry.packed(cp_size, check_offsets("cu_seqlens", cu_seqlens).tolist())
+    return geometry.work_per_rank(causal, layout)
 
 
 def zigzag_attention(
@@ -145,32 +100,59 @@ def zigzag_attention(
     Dense: ``q`` ``[S_local, B, Hq, D]``, ``k``/``v`` ``[S_local, B, Hkv, D]``. Packed: ``[T_local, H, D]`` with the
     zigzag-side ``packed_seq_params``. ``cp_group`` ``None`` means no context parallelism (one rank).
     """
-    cp, rank = (1, 0) if cp_group is None else (comm.group_size(cp_group), comm.group_rank(cp_group))
-    lengths, padded = _validate(q, k, v, cp, packed_seq_params, mode, backend, softmax_scale)
+    cp = 1 if cp_group is None else comm.group_size(cp_group)
+    geometry = _validate(q, k, v, cp, packed_seq_params, mode, backend, softmax_scale)
+    return attend_on_zigzag_shards(
+        q, k, v, cp_group, geometry, packed=packed_seq_params is not None, causal=causal, softmax_scale=softmax_scale,
+        mode=mode, backend=backend,
+    )  # fmt: skip
+
+
+def attend_on_zigzag_shards(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cp_group: ProcessGroup | None,
+    geometry: ZigzagGeometry,
+    *,
+    packed: bool,
+    causal: bool,
+    softmax_scale: float | None,
+    mode: str,
+    backend: str = "auto",
+) -> Tensor:
+    """Run zigzag attention for a batch whose ``geometry`` is known (validated shapes; no host synchronisation)."""
+    rank = 0 if cp_group is None else comm.group_rank(cp_group)
+    _check_local_token_count(q.shape[0], geometry)
     kernel_name = _choose_kernel(backend, mode, q)
     _log_choice_once(kernel_name, mode, q)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    tokens, plan, perm = _zigzag_plan(tuple(lengths), tuple(padded), cp, rank, causal, q.device)
-    packed = packed_seq_params is not None
     if kernel_name == "flash_attn":
-        return _flash_attention(q, k, v, cp_group, tokens, rank, packed, causal, scale)
-    kernel = _KERNELS[kernel_name]
+        return _flash_attention(q, k, v, cp_group, geometry.rank_tokens, rank, packed, causal, scale)
+    plan, perm = _block_plan(geometry, rank, causal, q.device)
     return context_parallel_attention(
-        q, k, v, cp_group, plan, perm, packed=packed, scale=scale, mode=mode, kernel=kernel
+        q, k, v, cp_group, plan, perm, packed=packed, scale=scale, mode=mode, kernel=_KERNELS[kernel_name]
     )
 
 
-@functools.lru_cache(maxsize=16)
-def _zigzag_plan(
-    lengths: tuple[int, ...], padded: tuple[int, ...], cp: int, rank: int, causal: bool, device: torch.device
-) -> tuple[tuple[RankTokens, ...], BlockPlan, Tensor | None]:
-    """Token metadata, block plan and this rank's local-to-half-major permutation on ``device`` of one batch layout.
+def _check_local_token_count(tokens: int, geometry: ZigzagGeometry) -> None:
+    """Reject a local token count that is not this batch's number of zigzag slots per rank."""
+    padded_total, cp = sum(geometry.padded_lengths), geometry.cp_size
+    if cp * tokens != padded_total:
+        raise ValueError(
+            f"local token count {tokens} does not match packed_seq_params: {padded_total} padded tokens "
+            f"over cp={cp} ranks; expected {padded_total / cp:g} per rank"
+        )
 
-    Built once and reused by every layer and the backward.
-    """
-    tokens = tuple(zigzag_tokens(lengths, padded, cp, src) for src in range(cp))
+
+@functools.lru_cache(maxsize=16)
+def _block_plan(
+    geometry: ZigzagGeometry, rank: int, causal: bool, device: torch.device
+) -> tuple[BlockPlan, Tensor | None]:
+    """The block plan and this rank's local-to-half-major permutation on ``device``, built once per batch."""
+    tokens = geometry.rank_tokens
     perm = tokens[rank].perm
-    return tokens, build_block_plan(tokens, rank, causal, device), None if perm is None else perm.to(device)
+    return build_block_plan(tokens, rank, causal, device), None if perm is None else perm.to(device)
 
 
 def context_parallel_attention(
@@ -364,20 +346,27 @@ def _validate(
     mode: str,
     backend: str,
     softmax_scale: float | None,
-) -> tuple[list[int], list[int]]:
-    """Check everything before any collective; return the global actual and padded sequence lengths."""
+) -> ZigzagGeometry:
+    """Check everything before any collective; return the batch's zigzag geometry."""
+    check_attention_inputs(q, k, v, packed=params is not None, mode=mode, backend=backend, softmax_scale=softmax_scale)
+    if params is None:
+        return ZigzagGeometry.dense(cp, cp * q.shape[0])
+    return _packed_geometry(q.shape[0], cp, params)
+
+
+def check_attention_inputs(
+    q: Tensor, k: Tensor, v: Tensor, *, packed: bool, mode: str, backend: str, softmax_scale: float | None
+) -> None:
+    """Check the options and the q/k/v shapes of one attention call (host-only; no metadata is read)."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not supported; expected one of {MODES}")
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; expected one of {BACKENDS}")
     if softmax_scale is not None and not softmax_scale > 0:
         raise ValueError(f"softmax_scale={softmax_scale!r}; expected a positive float or None")
-    _check_shapes(q, k, v, packed=params is not None)
-    if params is None:
-        if q.shape[0] % 2:
-            raise ValueError(f"dense q has S_local={q.shape[0]} tokens; a zigzag shard holds two equal chunks")
-        return [cp * q.shape[0]], [cp * q.shape[0]]
-    return _packed_lengths(q.shape[0], cp, params)
+    _check_shapes(q, k, v, packed=packed)
+    if not packed and q.shape[0] % 2:
+        raise ValueError(f"dense q has S_local={q.shape[0]} tokens; a zigzag shard holds two equal chunks")
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor, packed: bool) -> None:
@@ -403,8 +392,8 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, packed: bool) -> None:
         )
 
 
-def _packed_lengths(tokens: int, cp: int, params: PackedSeqParams) -> tuple[list[int], list[int]]:
-    """Read and check the zigzag-side packed metadata; return the actual and padded global lengths."""
+def _packed_geometry(tokens: int, cp: int, params: PackedSeqParams) -> ZigzagGeometry:
+    """Read and check the zigzag-side packed metadata; return the batch's geometry."""
     for field in ("cu_seqlens_q", "cu_seqlens_q_padded"):
         if getattr(params, field) is None:
             raise ValueError(
@@ -416,30 +405,25 @@ def _packed_lengths(tokens: int, cp: int, params: PackedSeqParams) -> tuple[list
         if kv_value is not None and kv_value is not q_value and host_offsets(kv_value) != host_offsets(q_value):
             raise ValueError(f"packed_seq_params.{kv_field}={kv_value.tolist()}; expected it to equal {q_field}")
     offsets, padded_offsets = host_offsets(params.cu_seqlens_q), host_offsets(params.cu_seqlens_q_padded)
-    _check_offsets("packed_seq_params.cu_seqlens_q", offsets)
-    _check_offsets("packed_seq_params.cu_seqlens_q_padded", padded_offsets)
+    lengths = check_offsets("packed_seq_params.cu_seqlens_q", offsets).tolist()
+    padded = check_offsets("packed_seq_params.cu_seqlens_q_padded", padded_offsets).tolist()
     if len(offsets) != len(padded_offsets):
         raise ValueError(f"cu_seqlens_q has {len(offsets)} entries, cu_seqlens_q_padded {len(padded_offsets)}")
-    lengths = [b - a for a, b in pairwise(offsets)]
-    padded = [b - a for a, b in pairwise(padded_offsets)]
     for index, (length, pad) in enumerate(zip(lengths, padded, strict=True)):
         if pad < length or pad % (2 * cp):
             raise ValueError(
                 f"sequence {index} has length {length} and padded length {pad}; expected a padded length "
                 f">= the length and divisible by 2*cp={2 * cp}"
             )
-    if cp * tokens != padded_offsets[-1]:
-        raise ValueError(
-            f"local token count {tokens} does not match packed_seq_params: {padded_offsets[-1]} padded tokens "
-            f"over cp={cp} ranks; expected {padded_offsets[-1] / cp:g} per rank"
-        )
-    return lengths, padded
+    geometry = _packed_geometry_of(cp, tuple(lengths), tuple(padded))
+    _check_local_token_count(tokens, geometry)
+    return geometry
 
 
-def _check_offsets(name: str, offsets: list[int]) -> None:
-    """Reject cumulative offsets that do not start at 0 or decrease."""
-    if not offsets or offsets[0] != 0 or any(b < a for a, b in pairwise(offsets)):
-        raise ValueError(f"{name}={offsets}; expected non-decreasing cumulative offsets starting at 0")
+@functools.lru_cache(maxsize=16)
+def _packed_geometry_of(cp: int, lengths: tuple[int, ...], padded: tuple[int, ...]) -> ZigzagGeometry:
+    """One geometry object per batch layout, so every layer and the backward share its token descriptions."""
+    return ZigzagGeometry(cp, lengths, padded)
 
 
 def _choose_kernel(backend: str, mode: str, q: Tensor) -> str:

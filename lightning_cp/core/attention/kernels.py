@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_cp.core.zigzag import RankTokens
+
 _NEG_INF = -math.inf
 _MIN_GROUP_ROWS = 64
 
@@ -163,18 +165,6 @@ def flash_attn_varlen_func() -> Callable[..., Tensor] | None:
     except ImportError:
         return None
     return varlen
-
-
-@dataclass(frozen=True)
-class RankTokens:
-    """Document id (``-1`` for padding) and in-document position of one rank's tokens in half-major order.
-
-    ``perm`` maps half-major order to the rank's local order (``half_major = local[perm]``); ``None`` if they agree.
-    """
-
-    doc: Tensor
-    pos: Tensor
-    perm: Tensor | None
 
 
 @dataclass(frozen=True)

@@ -16,20 +16,18 @@ from torch.distributed import ProcessGroup
 from lightning_cp.core import comm
 from lightning_cp.core.layout.movers import _SegmentRedistribution, _THDRedistribution, _token_moves
 from lightning_cp.core.layout.plans import (
-    CPLayout,
     THDCPLayoutPlan,
-    _as_layout,
     _build_group_rank_by_logical_rank,
     _build_layout_redistribution_plan,
     _build_thd_cp_layout_plan_from_rank_order_indices,
     _build_thd_rank_order_indices,
-    _check_cu_seqlens_structure,
     _LayoutRedistributionPlan,
-    _local_segment_ids,
-    _segment_owner,
-    _segments_per_rank,
 )
-from lightning_cp.core.packed import PackedSeqParams
+from lightning_cp.core.packed import PackedSeqParams, host_copies
+from lightning_cp.core.zigzag import CPLayout, as_layout, check_cu_seqlens_structure
+from lightning_cp.core.zigzag import local_segment_ids as _local_segment_ids
+from lightning_cp.core.zigzag import segment_owner as _segment_owner
+from lightning_cp.core.zigzag import segments_per_rank as _segments_per_rank
 
 __all__ = [
     "CPLayout",
@@ -128,7 +126,7 @@ def _redistribute_layout(
     seq_dim: int = 0,
 ) -> torch.Tensor:
     """Redistribute local sequence segments with a differentiable all-to-all-v."""
-    source_layout, target_layout = _as_layout(source_layout), _as_layout(target_layout)
+    source_layout, target_layout = as_layout(source_layout), as_layout(target_layout)
     context = _get_layout_parallel_context(cp_group, sequence_parallel, tp_group, tp_cp_group)
     seq_dim = _normalize_seq_dim(input_, seq_dim)
     segment_count = _segments_per_rank(context.tp_size)
@@ -173,7 +171,7 @@ def _redistribute_thd_layout(
     seq_dim: int = 0,
 ) -> torch.Tensor:
     """Apply a packed sequence layout plan with a differentiable all-to-all-v."""
-    source_layout, target_layout = _as_layout(source_layout), _as_layout(target_layout)
+    source_layout, target_layout = as_layout(source_layout), as_layout(target_layout)
     context = _get_layout_parallel_context(cp_group, sequence_parallel, tp_group, tp_cp_group)
     if plan.group_size != context.group_size:
         raise ValueError(
@@ -222,18 +220,9 @@ def build_thd_cp_layout_plan(
         after one transfer of the offsets and its index tensors are moved to the device of ``cu_seqlens``.
     """
     context = _get_layout_parallel_context(cp_group, sequence_parallel, tp_group, tp_cp_group)
-    _check_cu_seqlens_structure(cu_seqlens, cu_seqlens_padded)
-    actual, padded = _offsets_on_host(cu_seqlens, cu_seqlens_padded)
+    check_cu_seqlens_structure(cu_seqlens, cu_seqlens_padded)
+    actual, padded = host_copies(cu_seqlens, cu_seqlens_padded)
     return _build_thd_plan_from_host_offsets(actual, padded, total_tokens, context, cu_seqlens.device)
-
-
-def _offsets_on_host(*offsets: torch.Tensor | None) -> list[torch.Tensor | None]:
-    """Copy checked int32 offset tensors to the host in one transfer, the one host synchronisation of a batch."""
-    present = [tensor for tensor in offsets if tensor is not None]
-    if all(tensor.device.type == "cpu" for tensor in present):
-        return list(offsets)
-    host = iter(torch.cat(present).cpu().split([tensor.numel() for tensor in present]))
-    return [None if tensor is None else next(host) for tensor in offsets]
 
 
 def _build_thd_plan_from_host_offsets(
@@ -335,8 +324,8 @@ class ContextParallelLayoutManager:
 
     def __post_init__(self) -> None:
         """Determine whether the layer sequence needs layout conversion."""
-        self.layer_layouts = tuple(_as_layout(layout) for layout in self.layer_layouts)
-        self.boundary_layout = _as_layout(self.boundary_layout)
+        self.layer_layouts = tuple(as_layout(layout) for layout in self.layer_layouts)
+        self.boundary_layout = as_layout(self.boundary_layout)
         context = _get_layout_parallel_context(self.cp_group, self.sequence_parallel, self.tp_group, self.tp_cp_group)
         self.requires_conversion = context.cp_size > 1 and any(
             layout is not self.boundary_layout for layout in self.layer_layouts
@@ -402,7 +391,7 @@ class ContextParallelLayoutManager:
         if cu_seqlens is None:
             raise ValueError("packed_seq_params.cu_seqlens_q is None; packed layout conversion needs it")
         padded = packed_seq_params.cu_seqlens_q_padded
-        _check_cu_seqlens_structure(cu_seqlens, padded)
+        check_cu_seqlens_structure(cu_seqlens, padded)
         cu_seqlens_kv = packed_seq_params.cu_seqlens_kv
         separate_kv = cu_seqlens_kv is not None and cu_seqlens_kv is not cu_seqlens
         if separate_kv and (
@@ -413,7 +402,7 @@ class ContextParallelLayoutManager:
             raise ValueError(
                 "packed_seq_params.cu_seqlens_kv differs from cu_seqlens_q; expected self-attention offsets"
             )
-        actual, padded_host, kv_host = _offsets_on_host(cu_seqlens, padded, cu_seqlens_kv if separate_kv else None)
+        actual, padded_host, kv_host = host_copies(cu_seqlens, padded, cu_seqlens_kv if separate_kv else None)
         if separate_kv and not torch.equal(kv_host, actual):
             raise ValueError(
                 "packed_seq_params.cu_seqlens_kv differs from cu_seqlens_q; expected self-attention offsets"
@@ -476,7 +465,7 @@ class ContextParallelLayoutState:
 
     def packed_seq_params_for(self, layout: CPLayout | str) -> PackedSeqParams | None:
         """Return the packed metadata describing tokens in ``layout`` (None for dense batches)."""
-        if _as_layout(layout) is CPLayout.ZIGZAG:
+        if as_layout(layout) is CPLayout.ZIGZAG:
             return self.zigzag_packed_seq_params
         return self.contiguous_packed_seq_params
 
@@ -504,7 +493,7 @@ class ContextParallelLayoutState:
         target_layout: CPLayout | str,
     ) -> torch.Tensor:
         """Convert another per-token tensor of this batch (ids, labels, masks; any dtype) between layouts."""
-        source_layout, target_layout = _as_layout(source_layout), _as_layout(target_layout)
+        source_layout, target_layout = as_layout(source_layout), as_layout(target_layout)
         if source_layout is target_layout or comm.group_size(self.manager.cp_group) == 1:
             return tensor
         return self.manager._convert_cp_layout(tensor, source_layout, target_layout, self.thd_plan)

@@ -5,30 +5,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import torch
 
-
-class CPLayout(str, Enum):
-    """Sequence layout of CP shards: contiguous slices or load-balanced zigzag chunks."""
-
-    CONTIGUOUS = "contiguous"
-    ZIGZAG = "zigzag"
-
-
-_ALLOWED_LAYOUTS = ", ".join(repr(layout.value) for layout in CPLayout)
-
-
-def _as_layout(layout: CPLayout | str) -> CPLayout:
-    """Return ``layout`` as a ``CPLayout``, so plain strings work wherever a layout is taken."""
-    if isinstance(layout, CPLayout):
-        return layout
-    try:
-        return CPLayout(layout)
-    except ValueError:
-        raise ValueError(f"unknown CP layout {layout!r}; expected one of {_ALLOWED_LAYOUTS}") from None
+from lightning_cp.core.zigzag import (
+    CPLayout,
+    as_layout,
+    check_coordinates,
+    check_cu_seqlens_structure,
+    check_offsets,
+    local_segment_ids,
+    segment_owner,
+    zigzag_padded_lengths,
+    zigzag_source_indices,
+)
 
 
 @dataclass(frozen=True)
@@ -93,72 +84,6 @@ class THDCPLayoutPlan:
         return plan
 
 
-def _check_coordinates(cp_size: int, cp_rank: int, tp_size: int, tp_rank: int) -> None:
-    """Reject group sizes below one and ranks outside their group."""
-    if cp_size < 1:
-        raise ValueError(f"cp_size must be at least 1, got {cp_size}")
-    if tp_size < 1:
-        raise ValueError(f"tp_size must be at least 1, got {tp_size}")
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank {cp_rank} is outside [0, {cp_size})")
-    if not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank {tp_rank} is outside [0, {tp_size})")
-
-
-def _segments_per_rank(tp_size: int) -> int:
-    """Return two segments for CP-only conversion and one for even-TP SP conversion."""
-    return 1 if tp_size % 2 == 0 else 2
-
-
-def _segments_per_chunk(tp_size: int) -> int:
-    """Return how many segments make one of the ``2 * cp`` zigzag chunks."""
-    return tp_size * _segments_per_rank(tp_size) // 2
-
-
-def _local_segment_ids(
-    layout: CPLayout,
-    cp_size: int,
-    cp_rank: int,
-    tp_size: int = 1,
-    tp_rank: int = 0,
-) -> tuple[int, ...]:
-    """Return the atomic sequence segments owned by one TP x CP rank."""
-    layout = _as_layout(layout)
-    _check_coordinates(cp_size, cp_rank, tp_size, tp_rank)
-    per_rank = _segments_per_rank(tp_size)
-    if layout is CPLayout.CONTIGUOUS:
-        logical_rank = cp_rank * tp_size + tp_rank
-        return tuple(range(logical_rank * per_rank, (logical_rank + 1) * per_rank))
-    per_chunk = _segments_per_chunk(tp_size)
-    back_chunk = 2 * cp_size - 1 - cp_rank
-    cp_rank_segments = [
-        *range(cp_rank * per_chunk, (cp_rank + 1) * per_chunk),
-        *range(back_chunk * per_chunk, (back_chunk + 1) * per_chunk),
-    ]
-    return tuple(cp_rank_segments[tp_rank * per_rank : (tp_rank + 1) * per_rank])
-
-
-def _segment_owner(
-    segment_id: int,
-    layout: CPLayout,
-    cp_size: int,
-    tp_size: int,
-) -> tuple[int, int]:
-    """Return the ``(cp_rank, tp_rank)`` that holds ``segment_id`` in ``layout``."""
-    layout = _as_layout(layout)
-    per_rank = _segments_per_rank(tp_size)
-    if not 0 <= segment_id < cp_size * tp_size * per_rank:
-        raise ValueError(f"segment_id {segment_id} is outside [0, {cp_size * tp_size * per_rank})")
-    if layout is CPLayout.CONTIGUOUS:
-        return divmod(segment_id // per_rank, tp_size)
-    per_chunk = _segments_per_chunk(tp_size)
-    chunk, offset = divmod(segment_id, per_chunk)
-    is_back = chunk >= cp_size
-    cp_rank = 2 * cp_size - 1 - chunk if is_back else chunk
-    position_in_cp_rank = offset + (per_chunk if is_back else 0)
-    return cp_rank, position_in_cp_rank // per_rank
-
-
 def _build_group_rank_by_logical_rank(
     cp_global_ranks: tuple[int, ...],
     tp_global_ranks: tuple[int, ...],
@@ -198,19 +123,19 @@ def _build_layout_redistribution_plan(
     group_rank_by_logical_rank: tuple[int, ...] | None = None,
 ) -> _LayoutRedistributionPlan:
     """Build the all-to-all-v plan for one rank of a CP layout conversion."""
-    source_layout, target_layout = _as_layout(source_layout), _as_layout(target_layout)
-    _check_coordinates(cp_size, cp_rank, tp_size, tp_rank)
+    source_layout, target_layout = as_layout(source_layout), as_layout(target_layout)
+    check_coordinates(cp_size, cp_rank, tp_size, tp_rank)
     group_size = cp_size * tp_size
     group_ranks = tuple(range(group_size)) if group_rank_by_logical_rank is None else group_rank_by_logical_rank
     if len(group_ranks) != group_size:
         raise ValueError(f"group_rank_by_logical_rank has {len(group_ranks)} entries, expected {group_size}")
 
     def group_rank_of(segment_id: int, layout: CPLayout) -> int:
-        owner_cp_rank, owner_tp_rank = _segment_owner(segment_id, layout, cp_size, tp_size)
+        owner_cp_rank, owner_tp_rank = segment_owner(segment_id, layout, cp_size, tp_size)
         return group_ranks[owner_cp_rank * tp_size + owner_tp_rank]
 
-    source_ids = _local_segment_ids(source_layout, cp_size, cp_rank, tp_size, tp_rank)
-    target_ids = _local_segment_ids(target_layout, cp_size, cp_rank, tp_size, tp_rank)
+    source_ids = local_segment_ids(source_layout, cp_size, cp_rank, tp_size, tp_rank)
+    target_ids = local_segment_ids(target_layout, cp_size, cp_rank, tp_size, tp_rank)
     send_keys = [(group_rank_of(segment, target_layout), segment) for segment in source_ids]
     send_slots = tuple(sorted(range(len(source_ids)), key=send_keys.__getitem__))
     receive_keys = sorted((group_rank_of(segment, source_layout), segment) for segment in target_ids)
@@ -229,50 +154,6 @@ def _build_layout_redistribution_plan(
     )
 
 
-def _check_cu_seqlens_structure(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None) -> None:
-    """Reject offsets of the wrong type, dtype, rank or size, and padded offsets that do not match them."""
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise ValueError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype != torch.int32:
-        raise ValueError(f"cu_seqlens must have dtype torch.int32, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1:
-        raise ValueError(f"cu_seqlens must be 1-D, got shape {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must have at least 2 entries, got {cu_seqlens.numel()}")
-    if cu_seqlens_padded is None:
-        return
-    if not isinstance(cu_seqlens_padded, torch.Tensor):
-        raise ValueError(f"cu_seqlens_padded must be a torch.Tensor, got {type(cu_seqlens_padded).__name__}")
-    if cu_seqlens_padded.shape != cu_seqlens.shape:
-        raise ValueError(
-            f"cu_seqlens_padded has shape {tuple(cu_seqlens_padded.shape)}, expected the shape of cu_seqlens "
-            f"{tuple(cu_seqlens.shape)}"
-        )
-    if cu_seqlens_padded.dtype != cu_seqlens.dtype:
-        raise ValueError(f"cu_seqlens_padded has dtype {cu_seqlens_padded.dtype}, expected {cu_seqlens.dtype}")
-    if cu_seqlens_padded.device != cu_seqlens.device:
-        raise ValueError(f"cu_seqlens_padded is on {cu_seqlens_padded.device}, expected {cu_seqlens.device}")
-
-
-def _check_offsets(name: str, offsets: torch.Tensor) -> torch.Tensor:
-    """Return the per-sequence lengths of cumulative ``offsets`` after checking they start at 0 and never decrease."""
-    if int(offsets[0]) != 0:
-        raise ValueError(f"{name} must start at 0, got {int(offsets[0])}")
-    lengths = offsets[1:] - offsets[:-1]
-    if bool((lengths < 0).any()):
-        index = int(torch.nonzero(lengths < 0)[0, 0])
-        raise ValueError(
-            f"{name} must be non-decreasing, but entry {index + 1} ({int(offsets[index + 1])}) is smaller than "
-            f"entry {index} ({int(offsets[index])})"
-        )
-    return lengths
-
-
-def _tp_alignment_blocks(zigzag_tokens_per_cp_rank: int, tp_size: int) -> int:
-    """Return the fewest ``2 * cp`` blocks to add so each CP rank's zigzag token count divides by ``tp_size``."""
-    return next(extra for extra in range(tp_size) if (zigzag_tokens_per_cp_rank + 2 * extra) % tp_size == 0)
-
-
 def _build_thd_rank_order_indices(
     cu_seqlens: torch.Tensor,
     cu_seqlens_padded: torch.Tensor | None,
@@ -285,16 +166,16 @@ def _build_thd_rank_order_indices(
     Returns the source index of every padded attention position grouped by target logical rank (``-1`` for
     padding) and the padded cumulative offsets of the zigzag side (int32).
     """
-    _check_cu_seqlens_structure(cu_seqlens, cu_seqlens_padded)
+    check_cu_seqlens_structure(cu_seqlens, cu_seqlens_padded)
     if cp_size < 1 or tp_size < 1:
         raise ValueError(f"cp_size and tp_size must be at least 1, got {cp_size} and {tp_size}")
     offsets = cu_seqlens.to(torch.int64)
-    lengths = _check_offsets("cu_seqlens", offsets)
+    lengths = check_offsets("cu_seqlens", offsets)
     if cu_seqlens_padded is None:
         physical_offsets, physical_lengths = offsets, lengths
     else:
         physical_offsets = cu_seqlens_padded.to(torch.int64)
-        physical_lengths = _check_offsets("cu_seqlens_padded", physical_offsets)
+        physical_lengths = check_offsets("cu_seqlens_padded", physical_offsets)
         too_short = physical_lengths < lengths
         if bool(too_short.any()):
             index = int(torch.nonzero(too_short)[0, 0])
@@ -313,28 +194,10 @@ def _build_thd_rank_order_indices(
         raise ValueError(
             f"packed token count {token_count} is not divisible by cp_size * tp_size = {cp_size} * {tp_size}"
         )
-    two_cp = 2 * cp_size
-    padded_lengths = (physical_lengths + two_cp - 1) // two_cp * two_cp
-    if tp_size > 1:
-        extra_blocks = _tp_alignment_blocks(int(padded_lengths.sum()) // cp_size, tp_size)
-        padded_lengths[-1] += two_cp * extra_blocks
+    padded_lengths = zigzag_padded_lengths(physical_lengths, cp_size, tp_size)
     padded_offsets = torch.zeros_like(offsets)
     torch.cumsum(padded_lengths, 0, out=padded_offsets[1:])
-    padded_total = int(padded_offsets[-1])
-    device = offsets.device
-    # One run per (CP rank, sequence, front/back chunk), in rank order; each run is a range of source positions
-    # whose tail past the sequence's physical length is padding.
-    chunk_length = (padded_lengths // two_cp).view(1, -1, 1)
-    chunk_index = torch.stack([torch.arange(cp_size), two_cp - 1 - torch.arange(cp_size)], dim=1).to(device)
-    chunk_offset = chunk_index.view(cp_size, 1, 2) * chunk_length
-    run_length = chunk_length.expand(cp_size, -1, 2).reshape(-1)
-    run_source = (physical_offsets[:-1].view(1, -1, 1) + chunk_offset).reshape(-1)
-    run_tokens = (physical_lengths.view(1, -1, 1) - chunk_offset).clamp(min=0).minimum(chunk_length).reshape(-1)
-    run_start = torch.cumsum(run_length, 0) - run_length
-    source_shift = torch.repeat_interleave(run_source - run_start, run_length, output_size=padded_total)
-    token_limit = torch.repeat_interleave(run_start + run_tokens, run_length, output_size=padded_total)
-    position = torch.arange(padded_total, device=device)
-    rank_order_indices = torch.where(position < token_limit, position + source_shift, -1)
+    rank_order_indices = zigzag_source_indices(physical_offsets, physical_lengths, padded_lengths, cp_size)
     return rank_order_indices, padded_offsets.to(torch.int32)
 
 
@@ -390,7 +253,7 @@ def _build_thd_cp_layout_plan_from_rank_order_indices(
     (``forward_send_indices`` -1) from the sender of the token before them, so every receiver's slots arrive as
     runs in slot order: the contiguous side gathers once per conversion and the zigzag side needs no index work.
     """
-    _check_coordinates(cp_size, cp_rank, tp_size, tp_rank)
+    check_coordinates(cp_size, cp_rank, tp_size, tp_rank)
     group_size = cp_size * tp_size
     padded_total = rank_order_indices.numel()
     if padded_total % group_size != 0:

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_cp.core.step import ContextParallelStep, activated, active_step
 from lightning_cp.train.models.layers import DecoderBlock
 
 
@@ -68,17 +65,7 @@ class LlamaDecoder(nn.Module):
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
-                h = checkpoint(
-                    layer, h, use_reentrant=False, context_fn=_recompute_in(active_step()), position_ids=position_ids
-                )
+                h = checkpoint(layer, h, use_reentrant=False, position_ids=position_ids)
             else:
                 h = layer(h, position_ids=position_ids)
         return self.lm_head(self.norm(h))
-
-
-ContextPair = tuple[AbstractContextManager, AbstractContextManager]
-
-
-def _recompute_in(step: ContextParallelStep | None) -> Callable[[], ContextPair]:
-    """Return a checkpoint ``context_fn`` that recomputes a layer under the CP step state of its forward."""
-    return lambda: (nullcontext(), activated(step) if step is not None else nullcontext())

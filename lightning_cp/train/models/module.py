@@ -10,9 +10,8 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_cp.core.loss import CPLoss, cp_cross_entropy
-from lightning_cp.core.sharding import shard_replica_batch
-from lightning_cp.core.step import ContextParallelStep, activated
-from lightning_cp.lightning.callback import contiguous_packed_seq_params
+from lightning_cp.core.runtime import ContextParallelRuntime
+from lightning_cp.core.step import ContextParallelSetting
 from lightning_cp.train.models.llama import LlamaConfig, LlamaDecoder
 
 
@@ -61,12 +60,13 @@ class LlamaLM(pl.LightningModule):
         return cp_cross_entropy(logits, batch["labels"], batch["loss_token_count"])
 
     def _single_device_loss(self, batch: dict[str, Any]) -> CPLoss:
-        """Prepare a raw replica batch as the callback would at cp=1 and return its loss."""
-        sharded = shard_replica_batch(batch)
-        step = ContextParallelStep(cp_size=1, contiguous_packed_seq_params=contiguous_packed_seq_params(sharded))
-        with activated(step):
-            logits = self(sharded.input_ids, sharded.position_ids)
-        return cp_cross_entropy(logits, sharded.labels, sharded.loss_token_count)
+        """Prepare a raw replica batch as the layout callback would, at cp=1, and return its loss."""
+        runtime = self.__dict__.setdefault("_single_device_runtime", ContextParallelRuntime(ContextParallelSetting()))
+        runtime.wrap(self)
+        batch = dict(batch)
+        with runtime.step(batch):
+            logits = self(batch["input_ids"], batch["position_ids"])
+            return cp_cross_entropy(logits, batch["labels"], batch["loss_token_count"])
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         """Return the scaled loss; log the replica-wide mean loss per step."""

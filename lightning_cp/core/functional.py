@@ -1,0 +1,83 @@
+"""What model code calls: ``cp_attention``, exact attention under the active step (or on one device without one)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lightning_cp.core.attention.api import attend_on_zigzag_shards, check_attention_inputs
+from lightning_cp.core.packed import host_offsets
+from lightning_cp.core.step import active_step
+from lightning_cp.core.zigzag import CPLayout
+
+
+def local_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Single-device attention on batch-first ``[B, S, H, D]``; with ``cu_seqlens`` tokens attend within documents.
+
+    Packed rows run one fused attention call per document (tokens past ``cu_seqlens[-1]`` form one more segment).
+    """
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"query heads {q.shape[2]} are not a multiple of key/value heads {k.shape[2]}")
+    query, key, value = (tensor.transpose(1, 2) for tensor in (q, k, v))
+    if cu_seqlens is None:
+        segments = [(query, key, value)]
+    else:
+        offsets = host_offsets(cu_seqlens)
+        lengths = [end - start for start, end in zip(offsets, offsets[1:], strict=False)] + [q.shape[1] - offsets[-1]]
+        lengths = [length for length in lengths if length > 0]
+        segments = list(zip(*(tensor.split(lengths, dim=2) for tensor in (query, key, value)), strict=True))
+    outputs = [
+        F.scaled_dot_product_attention(
+            segment_q, segment_k, segment_v, is_causal=causal, scale=softmax_scale, enable_gqa=True
+        )
+        for segment_q, segment_k, segment_v in segments
+    ]
+    return torch.cat(outputs, dim=2).transpose(1, 2)
+
+
+def cp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Attention for model code on batch-first ``[B, S_local, H, D]`` shards (packed: ``B == 1``).
+
+    Under an active CP step it runs zigzag attention over the CP group with the step's attention mode and geometry,
+    converting q/k/v to zigzag (and the output back) when the layer it runs in is not zigzag. Without CP it is
+    single-device attention, masked per document for packed batches.
+    """
+    step = active_step()
+    if step is None or step.cp_size == 1:
+        cu_seqlens = step.contiguous_packed_seq_params.cu_seqlens_q if step is not None and step.is_packed else None
+        return local_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
+    if not causal and not step.is_packed and step.dense_padding:
+        raise ValueError(
+            f"bidirectional dense attention would see {step.dense_padding} padding tokens per row: make the sequence "
+            f"length divisible by 2 x cp x tp or use packed batches"
+        )
+    layout = step.current_layout
+    if layout != CPLayout.ZIGZAG:
+        q, k, v = (step.convert(tensor, layout, CPLayout.ZIGZAG) for tensor in (q, k, v))
+    packed = step.is_packed  # packed: [1, T, H, D] -> [T, H, D]; dense: [B, S, H, D] -> [S, B, H, D]
+    q, k, v = (tensor[0] if packed else tensor.transpose(0, 1) for tensor in (q, k, v))
+    mode = step.attention_mode
+    check_attention_inputs(q, k, v, packed=packed, mode=mode, backend="auto", softmax_scale=softmax_scale)
+    output = attend_on_zigzag_shards(
+        q, k, v, step.cp_group, step.geometry, packed=packed, causal=causal, softmax_scale=softmax_scale,
+        mode=mode,
+    )  # fmt: skip
+    output = output.unsqueeze(0) if packed else output.transpose(0, 1)
+    if layout != CPLayout.ZIGZAG:
+        output = step.convert(output, CPLayout.ZIGZAG, layout)
+    return output

@@ -1,0 +1,242 @@
+"""Run any model's steps context-parallel in any training loop: a layer policy, its hooks, and the step's life.
+
+``ContextParallelRuntime`` wraps the layers a ``LayerPolicy`` names with forward hooks (the state dict is
+unchanged), and per batch shards it in place and activates its step state. Lightning uses it through
+``ContextParallelLayoutCallback``; a plain loop calls ``with runtime.step(batch): loss.backward()`` itself.
+
+Recomputation (activation checkpointing of whole layers or of parts of them) needs no model code: each wrapped
+layer's output carries a marker whose backward re-activates the step and the layer's layout before autograd reaches
+the layer, and its input carries one whose backward restores them afterwards.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterator, MutableMapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_cp.core.layout.api import ContextParallelLayoutManager
+from lightning_cp.core.sharding import IGNORE_INDEX, ShardedBatch, shard_replica_batch
+from lightning_cp.core.step import (
+    ContextParallelSetting,
+    ContextParallelStep,
+    active_step,
+    build_step,
+    set_active_step,
+)
+from lightning_cp.core.zigzag import CPLayout
+
+DEFAULT_ZIGZAG_LAYERS = ("*DecoderBlock", "*DecoderLayer", "*TransformerBlock", "*AttentionBlock")
+DEFAULT_CONTIGUOUS_LAYERS = ("*RecurrentBlock", "*MambaBlock", "*ConvBlock")
+DEFAULT_SIDE_INPUTS = ("position_ids",)
+SEQUENCE_DIM = 1
+
+
+@dataclass(frozen=True)
+class LayerPolicy:
+    """Which residual blocks run in which layout, and which of their keyword inputs are per-token tensors.
+
+    ``zigzag_layers``/``contiguous_layers``: class-name or qualified-name glob patterns of blocks that need zigzag
+    (attention) or contiguous (recurrent, convolutional) input; ``side_inputs``: keyword arguments of wrapped layers
+    holding per-token tensors ``[B, S_local, ...]`` in the boundary layout, converted with the batch's plan.
+    """
+
+    zigzag_layers: tuple[str, ...] = DEFAULT_ZIGZAG_LAYERS
+    contiguous_layers: tuple[str, ...] = DEFAULT_CONTIGUOUS_LAYERS
+    side_inputs: tuple[str, ...] = DEFAULT_SIDE_INPUTS
+
+
+@dataclass(frozen=True)
+class WrappedLayer:
+    """One layer the policy wraps: its qualified name, class name and layout."""
+
+    name: str
+    class_name: str
+    layout: CPLayout
+
+
+def select_layers(
+    model: nn.Module, zigzag_layers: Sequence[str], contiguous_layers: Sequence[str]
+) -> list[tuple[nn.Module, WrappedLayer]]:
+    """Return the outermost modules whose class name or qualified name matches a policy pattern, in module order."""
+    selected: list[tuple[nn.Module, WrappedLayer]] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{wrapped.name}.") for _, wrapped in selected if wrapped.name):
+            continue
+        class_name = type(module).__name__
+        matches = {
+            layout
+            for layout, patterns in ((CPLayout.ZIGZAG, zigzag_layers), (CPLayout.CONTIGUOUS, contiguous_layers))
+            if any(fnmatch.fnmatchcase(class_name, p) or fnmatch.fnmatchcase(name, p) for p in patterns)
+        }
+        if len(matches) > 1:
+            raise ValueError(
+                f"layer {name!r} ({class_name}) matches both zigzag_layers {list(zigzag_layers)} and "
+                f"contiguous_layers {list(contiguous_layers)}"
+            )
+        if matches:
+            selected.append((module, WrappedLayer(name, class_name, matches.pop())))
+    return selected
+
+
+class _LayerExitMarker(torch.autograd.Function):
+    """Identity on a wrapped layer's output; its backward makes the step and the layer's layout current again."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, step, layout):  # type: ignore[override]
+        ctx.step, ctx.layout = step, layout
+        return hidden_states.view_as(hidden_states)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        ctx.step.resume_in_backward(ctx.layout)
+        return grad_output, None, None
+
+
+class _LayerEntryMarker(torch.autograd.Function):
+    """Identity on a wrapped layer's input; its backward restores what ``_LayerExitMarker`` changed."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, step):  # type: ignore[override]
+        ctx.step = step
+        return hidden_states.view_as(hidden_states)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        ctx.step.leave_in_backward()
+        return grad_output, None
+
+
+class ContextParallelRuntime:
+    """Shard every replica batch over the CP ranks and run the policy's layers in the layouts they need.
+
+    Wrapped layers take the residual stream as their first positional argument and return it (alone or first in a
+    tuple); they run once per forward in module order. Outside them the residual stream is in the setting's boundary
+    layout. Hooks act only on steps this runtime began, so several runtimes may wrap one model.
+    """
+
+    def __init__(self, setting: ContextParallelSetting, policy: LayerPolicy | None = None) -> None:
+        self.setting = setting
+        self.policy = policy or LayerPolicy()
+        self.wrapped_layers: list[WrappedLayer] = []
+        self._wrapped_model: nn.Module | None = None
+        self._hook_handles: list[RemovableHandle] = []
+        self._manager: ContextParallelLayoutManager | None = None
+
+    def wrap(self, model: nn.Module) -> list[WrappedLayer]:
+        """Install the forward hooks on the policy's layers of ``model`` (once per model) and return them."""
+        if self._wrapped_model is model:
+            return self.wrapped_layers
+        self.unwrap()
+        selected = select_layers(model, self.policy.zigzag_layers, self.policy.contiguous_layers)
+        self.wrapped_layers = [wrapped for _, wrapped in selected]
+        for layer_index, (module, wrapped) in enumerate(selected):
+            self._hook_handles.append(
+                module.register_forward_pre_hook(self._pre_hook(layer_index, wrapped.layout), with_kwargs=True)
+            )
+            self._hook_handles.append(module.register_forward_hook(self._post_hook(layer_index, wrapped.layout)))
+        self._wrapped_model = model
+        if self.setting.mesh.cp_size > 1:
+            layouts = tuple(wrapped.layout for wrapped in self.wrapped_layers)
+            self._manager = self.setting.layout_manager(layouts, seq_dim=SEQUENCE_DIM)
+        return self.wrapped_layers
+
+    def unwrap(self) -> None:
+        """Remove the hooks."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+        self._wrapped_model = None
+        self._manager = None
+
+    def begin_step(self, batch: MutableMapping[str, Any]) -> tuple[ContextParallelStep, ShardedBatch]:
+        """Shard ``batch`` in place (this rank's contiguous shard, in the boundary layout), build its step, activate it.
+
+        The batch then holds ``input_ids``, ``labels`` (shifted per document), ``position_ids`` and
+        ``loss_token_count`` (the replica's number of valid targets).
+        """
+        if not isinstance(batch, MutableMapping):
+            raise TypeError(f"{type(self).__name__} needs dict batches (see the batch contract); got {type(batch)}")
+        mesh = self.setting.mesh
+        sharded = shard_replica_batch(
+            batch, mesh.cp_size, mesh.cp_rank, mesh.tp_size, mesh.tp_rank, self.setting.sequence_parallel
+        )
+        step = build_step(self.setting, sharded, self._manager, owner=self)
+        batch.update(self._batch_fields(step, sharded))
+        set_active_step(step)
+        return step, sharded
+
+    def end_step(self) -> None:
+        """Deactivate the step state (after its backward)."""
+        set_active_step(None)
+
+    @contextmanager
+    def step(self, batch: MutableMapping[str, Any]) -> Iterator[ContextParallelStep]:
+        """Shard ``batch`` and keep its step active inside the block: run forward and backward there."""
+        step, _ = self.begin_step(batch)
+        try:
+            yield step
+        finally:
+            self.end_step()
+
+    def _batch_fields(self, step: ContextParallelStep, sharded: ShardedBatch) -> dict[str, Any]:
+        """Return the batch entries the step sees, in the boundary layout."""
+        labels = sharded.labels
+        fields: dict[str, Any] = {"input_ids": sharded.input_ids, "position_ids": sharded.position_ids}
+        if step.boundary_layout != CPLayout.CONTIGUOUS:
+            fields = {
+                name: step.convert(tensor, CPLayout.CONTIGUOUS, step.boundary_layout) for name, tensor in fields.items()
+            }
+            # padding slots arrive as zeros: shift so that they become IGNORE_INDEX
+            labels = step.convert(labels - IGNORE_INDEX, CPLayout.CONTIGUOUS, step.boundary_layout) + IGNORE_INDEX
+        return {**fields, "labels": labels, "loss_token_count": sharded.loss_token_count}
+
+    def _own_step(self) -> ContextParallelStep | None:
+        """Return the active step when this runtime began it."""
+        step = active_step()
+        return step if step is not None and step.owner is self else None
+
+    def _pre_hook(self, layer_index: int, layout: CPLayout) -> Any:
+        """Return the hook converting a layer's residual input and side inputs to ``layout``."""
+        side_inputs = self.policy.side_inputs
+
+        def convert_input(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+            step = self._own_step()
+            if step is None:
+                return None
+            hidden_states = args[0]
+            if hidden_states.requires_grad:  # only a marked entry can close what the exit marker opens in backward
+                hidden_states = _LayerEntryMarker.apply(hidden_states, step)
+                step.marked_layers.add(layer_index)
+            hidden_states = step.enter_layer(layer_index, layout, hidden_states)
+            converted = {
+                name: step.convert_side_input(kwargs[name], layout)
+                for name in side_inputs
+                if isinstance(kwargs.get(name), torch.Tensor)
+            }
+            return (hidden_states, *args[1:]), {**kwargs, **converted}
+
+        return convert_input
+
+    def _post_hook(self, layer_index: int, layout: CPLayout) -> Any:
+        """Return the hook restoring the boundary layout after the last layer of a run."""
+
+        def convert_output(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            step = self._own_step()
+            if step is None:
+                return None
+            hidden_states = output[0] if isinstance(output, tuple) else output
+            hidden_states = step.exit_layer(layer_index, hidden_states)
+            if layer_index in step.marked_layers and hidden_states.requires_grad:
+                hidden_states = _LayerExitMarker.apply(hidden_states, step, layout)
+            return (hidden_states, *output[1:]) if isinstance(output, tuple) else hidden_states
+
+        return convert_output
