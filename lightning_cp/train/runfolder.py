@@ -6,13 +6,13 @@ import csv
 import math
 import os
 import time
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
-from lightning.pytorch.loggers import Logger
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
 from omegaconf import DictConfig, OmegaConf
+from typing_extensions import override
 
 from lightning_cp.train.config import ConfigError
 
@@ -23,7 +23,6 @@ PLOT_FILE = "loss.png"
 CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"
 VAL_STEP = "trained_steps"
-FIRST_COLUMNS = ("step", "epoch", "train_loss", "val_loss", VAL_STEP)
 
 
 def latest_run(root: Path) -> Path | None:
@@ -97,58 +96,30 @@ def truncate_metrics(path: Path, first_dropped_step: int) -> None:
         write_metrics(path, [row for row in rows if int(row["step"]) < first_dropped_step], list(rows[0]))
 
 
-class MetricsCSVLogger(Logger):
-    """Append every logged row to ``<run_dir>/metrics.csv``, flushing each time (a killed run keeps its rows).
+class _ContinuingExperimentWriter(ExperimentWriter):
+    """Lightning's CSV writer, except that an existing ``metrics.csv`` (a resumed run's, trimmed) is continued."""
 
-    Unlike Lightning's ``CSVLogger`` it never deletes an existing file, so a resumed run continues the same one.
-    """
+    @override
+    def _check_log_dir_exists(self) -> None:
+        rows = read_metrics(Path(self.metrics_file_path))
+        self.metrics_keys = sorted(rows[0]) if rows else []
+
+
+class RunCSVLogger(CSVLogger):
+    """Lightning's ``CSVLogger`` writing ``<run folder>/metrics.csv`` at every step and continuing it on resume."""
 
     def __init__(self, run_dir: Path) -> None:
-        super().__init__()
-        self.run_dir = Path(run_dir)
-        self.path = self.run_dir / METRICS_FILE
-        self._fields: list[str] | None = None
+        super().__init__(run_dir, name="", version="", flush_logs_every_n_steps=1)
 
     @property
-    def name(self) -> str:
-        """Return the run name."""
-        return self.run_dir.name
-
-    @property
-    def version(self) -> str:
-        """Return an empty version: the run folder is the version."""
-        return ""
-
-    @property
-    def save_dir(self) -> str:
-        """Return the run folder."""
-        return str(self.run_dir)
-
-    @rank_zero_only
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        """Ignore hyperparameters: the run folder's ``config.yaml`` holds them."""
-
-    @rank_zero_only
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        """Append one row, rewriting the file when a new column appears."""
-        row = {"step": str(step if step is not None else 0)}
-        row.update({key: str(float(value)) for key, value in metrics.items()})
-        if self._fields is None:
-            rows = read_metrics(self.path)
-            self._fields = list(rows[0]) if rows else []
-        new = sorted(key for key in row if key not in self._fields)
-        if new:
-            self._fields = sorted({*self._fields, *new}, key=column_order)
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            write_metrics(self.path, [*read_metrics(self.path), row], self._fields)
-            return
-        with self.path.open("a", newline="") as handle:
-            csv.DictWriter(handle, fieldnames=self._fields, restval="").writerow(row)
-
-
-def column_order(name: str) -> tuple[int, str]:
-    """Sort key of a metrics column: step and the losses first, then the rest by name."""
-    return (FIRST_COLUMNS.index(name) if name in FIRST_COLUMNS else len(FIRST_COLUMNS), name)
+    @override
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        """Return the writer, created on first use in the run folder."""
+        if self._experiment is None:
+            self._fs.makedirs(self.log_dir, exist_ok=True)
+            self._experiment = _ContinuingExperimentWriter(log_dir=self.log_dir)
+        return self._experiment
 
 
 def write_metrics(path: Path, rows: list[dict[str, str]], fields: list[str]) -> None:

@@ -72,7 +72,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, *, log: bool = True) -> pl.Tra
     return pl.Trainer(
         **trainer_args,
         strategy=build_strategy(cfg),
-        logger=runfolder.MetricsCSVLogger(run_dir) if log else False,
+        logger=runfolder.RunCSVLogger(run_dir) if log else False,
         callbacks=[layout_callback, checkpoint, LearningRateMonitor(logging_interval="step")],
         use_distributed_sampler=False,
         enable_checkpointing=True,
