@@ -15,8 +15,15 @@ from lightning_cp.core.layout.api import CPLayout
 from lightning_cp.core.runtime import select_layers
 from lightning_cp.core.step import ContextParallelStep, activated
 from tests.distributed_harness import run_on_ranks
-from tests.test_strategy import HYBRID, POLICY, TRAINER_OPTIONS
-from tests.test_strategy_models import TinyTransformer, dense_batches, packed_batches, reference_run
+from tests.model_helpers import (
+    HYBRID,
+    POLICY,
+    TRAINER_OPTIONS,
+    TinyTransformer,
+    dense_batches,
+    packed_batches,
+    reference_run,
+)
 
 torch.set_num_threads(1)
 METRICS = ("cp/tokens", "cp/padding_fraction", "cp/attention_imbalance", "cp/layout_conversions")

@@ -7,27 +7,10 @@ from itertools import pairwise
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lightning_cp.core.layout.api import build_thd_cp_layout_plan, contiguous_to_zigzag, zigzag_to_contiguous
 from tests.distributed_harness import run_on_ranks
-from tests.test_layout_reference import dense_positions, random_packed_case, take, thd_positions
-
-
-def make_groups(cp: int, tp: int, tp_fastest: bool = True):
-    """Build CP, TP and TP x CP groups over the world; return them with this rank's ``(cp_rank, tp_rank)``."""
-    world = dist.get_world_size()
-    assert world == cp * tp
-
-    def coordinates(global_rank: int) -> tuple[int, int]:
-        return divmod(global_rank, tp) if tp_fastest else (global_rank % cp, global_rank // cp)
-
-    global_of = {coordinates(g): g for g in range(world)}
-    cp_groups = [dist.new_group([global_of[(c, t)] for c in range(cp)]) for t in range(tp)]
-    tp_groups = [dist.new_group([global_of[(c, t)] for t in range(tp)]) for c in range(cp)]
-    tp_cp_group = dist.new_group(list(range(world)))
-    cp_rank, tp_rank = coordinates(dist.get_rank())
-    return cp_groups[tp_rank], tp_groups[cp_rank], tp_cp_group, cp_rank, tp_rank
+from tests.layout_reference import dense_positions, make_groups, random_packed_case, take, thd_positions
 
 
 def _random(shape: tuple[int, ...], seed: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ from lightning_cp.core.layout.api import (
 )
 from lightning_cp.core.packed import PackedSeqParams
 from tests.distributed_harness import RankError, assert_same_error_on_every_rank, run_outcomes
-from tests.test_layout_distributed import make_groups
+from tests.layout_reference import make_groups
 
 
 def _int32(values: list[int]) -> torch.Tensor:

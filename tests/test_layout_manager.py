@@ -11,8 +11,7 @@ from lightning_cp.core import comm
 from lightning_cp.core.layout.api import ContextParallelLayoutManager, ContextParallelLayoutState, CPLayout
 from lightning_cp.core.packed import PackedSeqParams
 from tests.distributed_harness import run_on_ranks
-from tests.test_layout_distributed import make_groups
-from tests.test_layout_reference import dense_positions, take, thd_positions
+from tests.layout_reference import dense_positions, make_groups, take, thd_positions
 
 WALK = ("zigzag", "zigzag", "contiguous", "contiguous", "zigzag")
 

@@ -19,7 +19,7 @@ from lightning_cp.core.layout.api import (
     _segment_owner,
     _segments_per_rank,
 )
-from tests.test_layout_reference import dense_positions, random_packed_case, take, thd_positions
+from tests.layout_reference import dense_positions, random_packed_case, take, thd_positions
 
 CP_SIZES = range(1, 9)
 TP_SIZES = range(1, 5)

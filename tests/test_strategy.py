@@ -15,7 +15,11 @@ from torch.utils.data import DataLoader
 from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy
 from lightning_cp.core.layout.api import CPLayout
 from tests.distributed_harness import run_on_ranks
-from tests.test_strategy_models import (
+from tests.model_helpers import (
+    ATTENTION,
+    HYBRID,
+    POLICY,
+    TRAINER_OPTIONS,
     TinyTransformer,
     dense_batches,
     packed_batches,
@@ -27,17 +31,6 @@ from tests.test_strategy_models import (
 torch.set_num_threads(1)
 
 STEPS = 5
-TRAINER_OPTIONS = {
-    "accelerator": "cpu",
-    "enable_progress_bar": False,
-    "logger": False,
-    "enable_checkpointing": False,
-    "enable_model_summary": False,
-    "num_sanity_val_steps": 0,
-}
-ATTENTION = ("attention", "attention")
-HYBRID = ("attention", "attention", "recurrent", "recurrent", "attention")
-POLICY = {"zigzag_layers": ["*AttentionBlock"], "contiguous_layers": ["blocks.2", "blocks.3"]}
 UNWRAPPED = {"zigzag_layers": [], "contiguous_layers": []}
 
 
@@ -51,6 +44,7 @@ class FitRun:
     strategy: dict[str, Any] = field(default_factory=dict)
     checkpoint_blocks: bool = False
     tensor_parallel: bool = False
+    checkpoint_attention: bool = False
     policy: dict[str, list[str]] = field(default_factory=lambda: POLICY)
 
     @property
@@ -64,7 +58,12 @@ def fit_on_rank(world_size: int, runs: list[FitRun]) -> list[dict[str, Any]]:
     results = []
     for run in runs:
         os.environ["WORLD_SIZE"] = str(world_size)  # Lightning's teardown removes it
-        model = TinyTransformer(run.kinds, checkpoint_blocks=run.checkpoint_blocks, tensor_parallel=run.tensor_parallel)
+        model = TinyTransformer(
+            run.kinds,
+            checkpoint_blocks=run.checkpoint_blocks,
+            tensor_parallel=run.tensor_parallel,
+            checkpoint_attention=run.checkpoint_attention,
+        )
         callback = ContextParallelLayoutCallback(**run.policy)
         trainer = pl.Trainer(
             devices=world_size,
@@ -103,6 +102,7 @@ WORLD_2_RUNS = [
     FitRun("cp2-hybrid-packed-ring", HYBRID, "packed", {"attention_mode": "ring"}),
     FitRun("cp2-hybrid-packed-zigzag-boundary", HYBRID, "packed", {"boundary_layout": "zigzag"}),
     FitRun("cp2-hybrid-packed-checkpointed", HYBRID, "packed", {}, checkpoint_blocks=True),
+    FitRun("cp2-hybrid-dense-attention-checkpointed", HYBRID, "dense", {}, checkpoint_attention=True),
 ]
 WORLD_4_RUNS = [
     FitRun("cp4-dense-allgather", ATTENTION, "dense", {"context_parallel_size": 4}),

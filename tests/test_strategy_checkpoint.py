@@ -12,8 +12,7 @@ from torch.utils.data import DataLoader
 
 from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy
 from tests.distributed_harness import run_on_ranks
-from tests.test_strategy import ATTENTION, HYBRID, POLICY, TRAINER_OPTIONS
-from tests.test_strategy_models import TinyTransformer, packed_batches
+from tests.model_helpers import ATTENTION, HYBRID, POLICY, TRAINER_OPTIONS, TinyTransformer, packed_batches
 
 torch.set_num_threads(1)
 

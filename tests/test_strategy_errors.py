@@ -13,8 +13,7 @@ from torch.utils.data import DataLoader
 
 from lightning_cp import CPZigzagStrategy
 from tests.distributed_harness import run_outcomes
-from tests.test_strategy import TRAINER_OPTIONS
-from tests.test_strategy_models import TinyTransformer, packed_batches
+from tests.model_helpers import TRAINER_OPTIONS, TinyTransformer, packed_batches
 
 torch.set_num_threads(1)
 

@@ -29,6 +29,19 @@ LEARNING_RATE = 0.2
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+TRAINER_OPTIONS = {
+    "accelerator": "cpu",
+    "enable_progress_bar": False,
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_model_summary": False,
+    "num_sanity_val_steps": 0,
+}
+ATTENTION = ("attention", "attention")
+HYBRID = ("attention", "attention", "recurrent", "recurrent", "attention")
+POLICY = {"zigzag_layers": ["*AttentionBlock"], "contiguous_layers": ["blocks.2", "blocks.3"]}
+
+
 def rotary(x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[B, S, H, D]`` by RoPE angles of ``position_ids`` ``[B, S]``."""
     half = x.shape[-1] // 2
@@ -51,13 +64,20 @@ class AttentionBlock(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN))
 
     def forward(self, h: torch.Tensor, *, position_ids: torch.Tensor) -> torch.Tensor:
-        """Return ``h`` plus attention and MLP updates."""
+        """Return ``h`` plus attention and MLP updates (the attention part checkpointed on its own if asked)."""
         self.owner[0].record_layout(self, position_ids)
+        if self.owner[0].checkpoint_attention and torch.is_grad_enabled():
+            h = h + torch.utils.checkpoint.checkpoint(self.attention, h, position_ids, use_reentrant=False)
+        else:
+            h = h + self.attention(h, position_ids)
+        return h + self.mlp(h)
+
+    def attention(self, h: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Return the attention update of ``h``."""
         batch, seq, _ = h.shape
         q, k, v = self.qkv(self.norm(h)).view(batch, seq, 3, HEADS, HIDDEN // HEADS).unbind(2)
         q, k = rotary(q, position_ids), rotary(k, position_ids)
-        h = h + self.out(self.owner[0].attention_fn(q, k, v).reshape(batch, seq, HIDDEN))
-        return h + self.mlp(h)
+        return self.out(self.owner[0].attention_fn(q, k, v).reshape(batch, seq, HIDDEN))
 
 
 class RecurrentBlock(nn.Module):
@@ -93,13 +113,18 @@ def previous_rank_last_token(h: torch.Tensor) -> torch.Tensor:
 
 
 class TinyTransformer(pl.LightningModule):
-    """Embedding, blocks by ``kinds`` (``"attention"``/``"recurrent"``), a head; SGD on ``cp_cross_entropy``."""
+    """Embedding, blocks by ``kinds`` (``"attention"``/``"recurrent"``), a head; SGD on ``cp_cross_entropy``.
+
+    ``checkpoint_blocks`` recomputes whole blocks in backward, ``checkpoint_attention`` only the attention inside each
+    attention block; both with plain ``torch.utils.checkpoint`` and no CP-specific code.
+    """
 
     def __init__(
         self,
         kinds: Sequence[str] = ("attention", "attention"),
         checkpoint_blocks: bool = False,
         tensor_parallel: bool = False,
+        checkpoint_attention: bool = False,
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -109,6 +134,7 @@ class TinyTransformer(pl.LightningModule):
         self.head = nn.Linear(HIDDEN, VOCAB)
         self.double()
         self.checkpoint_blocks = checkpoint_blocks
+        self.checkpoint_attention = checkpoint_attention
         self.tensor_parallel = tensor_parallel
         self.attention_fn: AttentionFn = cp_attention
         self.train_losses: list[float] = []
