@@ -55,11 +55,6 @@ def _check_packed(cp, tp, logical, groups, cu, cu_padded, seq_dim) -> None:
     assert plan.pad_between_seqs == (offsets != cu)
     zigzag_slots = len(positions[logical])
     assert plan.zigzag_local_token_count == zigzag_slots and plan.contiguous_local_token_count == shard
-    assert {to_zigzag for to_zigzag, _ in plan._token_moves_cache} == {True, False}, "moves are built with the plan"
-    on_meta = plan.to("meta")
-    assert on_meta._token_moves_cache.keys() == plan._token_moves_cache.keys()
-    maps = [m for moves in on_meta._token_moves_cache.values() for m in (moves.kept, moves.send, moves.receive)]
-    assert all(index is None or index.is_meta for m in maps for index in (m.sources, m.targets))
 
     def shaped(tensor: torch.Tensor) -> torch.Tensor:
         return torch.stack([tensor, -tensor]) if seq_dim == 1 else tensor
@@ -84,10 +79,9 @@ def _check_packed(cp, tp, logical, groups, cu, cu_padded, seq_dim) -> None:
     restored.backward(shaped(upstream[own]))
     assert torch.equal(zigzag_local.grad, shaped(take(upstream, positions[logical])))
     assert torch.equal(converted, shaped(take(stream, positions[logical]))), "a later conversion overwrote an output"
-    hand_built = dataclasses.replace(plan)
-    assert not hand_built._token_moves_cache, "a plan built by hand gets its moves at first use"
+    hand_built = dataclasses.replace(plan)  # a plan made outside the builder derives its moves at first use
     lazy = contiguous_to_zigzag(shaped(stream[own]), *groups, thd_plan=hand_built, seq_dim=seq_dim)
-    assert torch.equal(lazy, converted) and len(hand_built._token_moves_cache) == 1
+    assert torch.equal(lazy, converted)
 
 
 def _conversion_checks(cp: int, tp: int, tp_fastest: bool) -> int:

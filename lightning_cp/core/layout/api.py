@@ -1,6 +1,6 @@
 """Context-parallel sequence-layout conversion: contiguous <-> zigzag shards, dense and packed, with a layer manager.
 
-Plans are built by the pure functions of ``layout_plans`` (re-exported here) and data is moved by ``layout_movers``
+Plans are built by the pure functions of ``plans`` (re-exported here) and data is moved by ``movers``
 (one all-to-all-v per conversion, inside autograd functions whose backward is the inverse conversion); this module
 checks inputs, resolves process groups and tracks layouts across a stack of layers.
 """
@@ -14,7 +14,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from lightning_cp.core import comm
-from lightning_cp.core.layout.movers import _SegmentRedistribution, _THDRedistribution, _token_moves
+from lightning_cp.core.layout.movers import _SegmentRedistribution, _THDRedistribution, plan_on_device
 from lightning_cp.core.layout.plans import (
     THDCPLayoutPlan,
     _build_group_rank_by_logical_rank,
@@ -93,12 +93,12 @@ def _get_layout_parallel_context(
     """Resolve the rank coordinates and process group for a layout redistribution."""
     if cp_group is None:
         raise ValueError("cp_group is None; a context-parallel process group is required")
-    cp_size, cp_rank = comm.group_size(cp_group), comm.group_rank(cp_group)
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
     if not sequence_parallel:
         return _LayoutParallelContext(cp_size, cp_rank, 1, 0, cp_group, tuple(range(cp_size)))
     if tp_group is None:
         raise ValueError("sequence_parallel=True requires tp_group, got None")
-    tp_size, tp_rank = comm.group_size(tp_group), comm.group_rank(tp_group)
+    tp_size, tp_rank = tp_group.size(), tp_group.rank()
     if tp_size == 1:
         return _LayoutParallelContext(cp_size, cp_rank, 1, 0, cp_group, tuple(range(cp_size)))
     if tp_cp_group is None:
@@ -232,10 +232,10 @@ def _build_thd_plan_from_host_offsets(
     context: _LayoutParallelContext,
     device: torch.device,
 ) -> THDCPLayoutPlan:
-    """Build this rank's THD plan and its data moves (both directions) from host offsets, then move it to ``device``.
+    """Build this rank's THD plan from host offsets, then move it to ``device``.
 
-    Building the moves here, while every index tensor is still on the host, spares the first conversion of the batch
-    a device-to-host copy of the plan.
+    The movers keep the host copy, so the data moves they derive from the plan at its first conversion need no
+    device-to-host copy.
     """
     if isinstance(total_tokens, bool) or not isinstance(total_tokens, int):
         raise ValueError(f"total_tokens must be an int, got {total_tokens!r}")
@@ -250,9 +250,7 @@ def _build_thd_plan_from_host_offsets(
         group_rank_by_logical_rank=context.group_rank_by_logical_rank,
         pad_between_seqs=not torch.equal(zigzag_offsets, cu_seqlens),
     )
-    for to_zigzag in (True, False):
-        _token_moves(plan, to_zigzag, _own_group_rank(context))
-    return plan.to(device)
+    return plan_on_device(plan, device)
 
 
 def contiguous_to_zigzag(
@@ -305,7 +303,7 @@ def _convert(
     return _redistribute_layout(input_, cp_group, source_layout, target_layout, *groups, seq_dim=seq_dim)
 
 
-@dataclass
+@dataclass(eq=False)
 class ContextParallelLayoutManager:
     """Manage CP layout transitions across a sequence of layers.
 
@@ -350,9 +348,17 @@ class ContextParallelLayoutManager:
         target_layout: CPLayout,
         thd_plan: THDCPLayoutPlan | None = None,
     ) -> torch.Tensor:
-        """Convert ``hidden_states`` between two layouts with this manager's groups and ``seq_dim``."""
-        groups = (self.cp_group, self.sequence_parallel, self.tp_group, self.tp_cp_group)
-        return _convert(hidden_states, source_layout, target_layout, *groups, thd_plan, self.seq_dim)
+        """Convert ``hidden_states`` between two layouts with this manager's groups and ``seq_dim``.
+
+        The module-level ``contiguous_to_zigzag``/``zigzag_to_contiguous`` are looked up at call time, with the
+        reference's argument shape, so patching them observes or replaces every conversion.
+        """
+        source_layout, target_layout = as_layout(source_layout), as_layout(target_layout)
+        if source_layout is target_layout:
+            return hidden_states
+        convert = contiguous_to_zigzag if target_layout is CPLayout.ZIGZAG else zigzag_to_contiguous
+        args = (hidden_states, self.cp_group, self.sequence_parallel, self.tp_group, self.tp_cp_group, thd_plan)
+        return convert(*args) if self.seq_dim == 0 else convert(*args, seq_dim=self.seq_dim)
 
     def prepare_layer_input(
         self,
@@ -410,8 +416,9 @@ class ContextParallelLayoutManager:
         total_tokens = packed_seq_params.total_tokens
         if total_tokens is None:
             total_tokens = int((actual if padded_host is None else padded_host)[-1])
-        context = _get_layout_parallel_context(self.cp_group, self.sequence_parallel, self.tp_group, self.tp_cp_group)
-        plan = _build_thd_plan_from_host_offsets(actual, padded_host, total_tokens, context, cu_seqlens.device)
+        plan = build_thd_cp_layout_plan(
+            cu_seqlens, total_tokens, self.cp_group, padded, self.sequence_parallel, self.tp_group, self.tp_cp_group
+        )
         zigzag_params = dataclasses.replace(
             packed_seq_params,
             qkv_format="thd",
@@ -435,7 +442,7 @@ class ContextParallelLayoutManager:
         Its plan converts any per-token tensor of the batch and it carries the zigzag metadata; where no layer changes
         the layout, its ``prepare_layer``/``finalize_layer`` return their input unchanged.
         """
-        if comm.group_size(self.cp_group) == 1:
+        if self.cp_group.size() == 1:
             return None
         if packed_seq_params is None:
             return ContextParallelLayoutState(self, None, None, None)
@@ -450,7 +457,7 @@ class ContextParallelLayoutManager:
         return self.build_conversion_state(packed_seq_params) if self.requires_conversion else None
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class ContextParallelLayoutState:
     """Per-forward state for CP layout conversion."""
 
@@ -494,6 +501,6 @@ class ContextParallelLayoutState:
     ) -> torch.Tensor:
         """Convert another per-token tensor of this batch (ids, labels, masks; any dtype) between layouts."""
         source_layout, target_layout = as_layout(source_layout), as_layout(target_layout)
-        if source_layout is target_layout or comm.group_size(self.manager.cp_group) == 1:
+        if source_layout is target_layout or self.manager.cp_group.size() == 1:
             return tensor
         return self.manager._convert_cp_layout(tensor, source_layout, target_layout, self.thd_plan)

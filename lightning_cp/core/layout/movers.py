@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import math
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -174,28 +175,6 @@ class _SegmentRedistribution(torch.autograd.Function):
         return grad_input, None, None, None, None, None
 
 
-def _zigzag_gather_indices(plan: THDCPLayoutPlan) -> torch.Tensor | None:
-    """For each zigzag slot, the arrival it takes (the count of arrivals for padding); None when arrivals fit as-is."""
-    if plan.forward_receive_is_identity:
-        return None
-    received_count = plan.forward_receive_positions.numel()
-    indices = torch.full(
-        (plan.zigzag_local_token_count,),
-        received_count,
-        dtype=torch.int64,
-        device=plan.forward_receive_positions.device,
-    )
-    indices[plan.forward_receive_positions] = torch.arange(received_count, device=indices.device)
-    return indices
-
-
-def _forward_send_padding_rows(plan: THDCPLayoutPlan) -> torch.Tensor:
-    """Rows of the forward send buffer that carry padding (taken from the plan when it lists them)."""
-    if plan.forward_send_padding_rows is not None:
-        return plan.forward_send_padding_rows
-    return torch.nonzero(plan.forward_send_indices < 0).flatten()
-
-
 _MIN_RUN_ROWS = 64
 """A row map copies slice by slice when its runs average at least this many rows, and with index kernels otherwise."""
 
@@ -259,15 +238,13 @@ class _TokenMoves:
     """One rank's packed conversion in one direction, with the tokens it keeps outside the all-to-all.
 
     ``kept`` copies input tokens that stay on the rank straight into the output and ``zero_slots`` are output padding;
-    ``send`` gathers the moving tokens into the send buffer (``send_padding_rows`` zero) unless ``send_run`` names
-    them as one run of input rows; ``receive`` places arrivals unless ``receive_run`` names one run of output rows
-    they land on in order.
+    ``send`` gathers the moving tokens into the send buffer unless ``send_run`` names them as one run of input rows;
+    ``receive`` places arrivals unless ``receive_run`` names one run of output rows they land on in order.
     """
 
     kept: _RowMap
     zero_slots: torch.Tensor | None
     send: _RowMap
-    send_padding_rows: torch.Tensor | None
     send_count: int
     send_run: int | None
     receive: _RowMap
@@ -283,7 +260,6 @@ class _TokenMoves:
             kept=self.kept.to(device),
             zero_slots=None if self.zero_slots is None else self.zero_slots.to(device),
             send=self.send.to(device),
-            send_padding_rows=None if self.send_padding_rows is None else self.send_padding_rows.to(device),
             receive=self.receive.to(device),
         )
 
@@ -303,8 +279,7 @@ def _without(length: int, start: int, count: int) -> torch.Tensor:
 
 
 def _build_token_moves(
-    send_indices: torch.Tensor | None,
-    send_padding_rows: torch.Tensor | None,
+    send_indices: torch.Tensor,
     input_split_sizes: tuple[int, ...],
     output_split_sizes: tuple[int, ...],
     input_length: int,
@@ -314,42 +289,30 @@ def _build_token_moves(
 ) -> _TokenMoves:
     """Split an all-to-all-v conversion (host index tensors) into kept tokens and the exchange of the others.
 
-    ``send_indices`` None sends the input as it is and ``send_padding_rows`` lists send rows that carry zeros;
-    ``receive_indices`` gives the arrival each output slot takes (None: arrivals in order; the arrival count:
-    padding). Arrivals from ``own_rank`` are its own send rows in order, so they are copied instead of sent.
+    ``send_indices`` are the input rows sent, grouped by destination; ``receive_indices`` gives the arrival each
+    output slot takes (None: arrivals in order; the arrival count: a padding slot, left zero). Arrivals from
+    ``own_rank`` are its own send rows in order, so they are copied instead of sent.
     """
-    sent, received = sum(input_split_sizes), sum(output_split_sizes)
+    received = sum(output_split_sizes)
     kept_count = input_split_sizes[own_rank]
     send_start, receive_start = sum(input_split_sizes[:own_rank]), sum(output_split_sizes[:own_rank])
-    sources = torch.arange(sent) if send_indices is None else send_indices
-    is_padding = torch.zeros(sent, dtype=torch.bool)
-    if send_padding_rows is not None:
-        is_padding[send_padding_rows] = True
     slot_arrivals = torch.arange(output_length) if receive_indices is None else receive_indices
     used = slot_arrivals < received
-    slot_of_arrival = torch.full((received,), -1, dtype=torch.int64)
+    slot_of_arrival = torch.empty(received, dtype=torch.int64)
     slot_of_arrival[slot_arrivals[used]] = torch.nonzero(used).flatten()
 
     kept_slots = slot_of_arrival[receive_start : receive_start + kept_count]
-    kept_sources = sources[send_start : send_start + kept_count]
-    kept_padding = is_padding[send_start : send_start + kept_count]
-    keep = (kept_slots >= 0) & ~kept_padding
-    kept = _RowMap.build(kept_sources[keep], kept_slots[keep], input_length, output_length)
-    zero_slots = torch.cat([torch.nonzero(~used).flatten(), kept_slots[(kept_slots >= 0) & kept_padding]])
+    kept_sources = send_indices[send_start : send_start + kept_count]
+    kept = _RowMap.build(kept_sources, kept_slots, input_length, output_length)
+    zero_slots = torch.nonzero(~used).flatten()
 
-    moving_sources = sources[_without(sent, send_start, kept_count)]
-    moving_padding = is_padding[_without(sent, send_start, kept_count)]
+    moving_sources = send_indices[_without(send_indices.numel(), send_start, kept_count)]
     send_count = moving_sources.numel()
-    token_rows = torch.nonzero(~moving_padding).flatten()
-    send = _RowMap.build(moving_sources[token_rows], token_rows, input_length, send_count)
-    has_padding = bool(moving_padding.any())
-    send_run = None if has_padding else _first_of_run(moving_sources)
+    send = _RowMap.build(moving_sources, torch.arange(send_count), input_length, send_count)
 
     moving_slots = slot_of_arrival[_without(received, receive_start, kept_count)]
     receive_count = moving_slots.numel()
-    arrived = torch.nonzero(moving_slots >= 0).flatten()
-    receive = _RowMap.build(arrived, moving_slots[arrived], receive_count, output_length)
-    receive_run = _first_of_run(moving_slots) if arrived.numel() == receive_count else None
+    receive = _RowMap.build(torch.arange(receive_count), moving_slots, receive_count, output_length)
 
     input_splits, output_splits = list(input_split_sizes), list(output_split_sizes)
     input_splits[own_rank] = output_splits[own_rank] = 0
@@ -357,55 +320,73 @@ def _build_token_moves(
         kept=kept,
         zero_slots=zero_slots if zero_slots.numel() else None,
         send=send,
-        send_padding_rows=torch.nonzero(moving_padding).flatten() if has_padding else None,
         send_count=send_count,
-        send_run=send_run,
+        send_run=_first_of_run(moving_sources),
         receive=receive,
         receive_count=receive_count,
-        receive_run=receive_run,
+        receive_run=_first_of_run(moving_slots),
         input_split_sizes=tuple(input_splits),
         output_split_sizes=tuple(output_splits),
     )
 
 
-def _token_moves(plan: THDCPLayoutPlan, to_zigzag: bool, own_rank: int) -> _TokenMoves:
-    """This rank's moves for converting with ``plan`` in one direction, built once per plan and kept on it.
+_HOST_PLANS: weakref.WeakKeyDictionary[THDCPLayoutPlan, THDCPLayoutPlan] = weakref.WeakKeyDictionary()
+_TOKEN_MOVES: weakref.WeakKeyDictionary[THDCPLayoutPlan, dict[tuple[bool, int], _TokenMoves]] = (
+    weakref.WeakKeyDictionary()
+)
 
-    Plans from ``build_thd_cp_layout_plan`` arrive with both directions cached (built on the host); a hand-built plan
-    on an accelerator pays one host copy of its index tensors here, at first use.
+
+def plan_on_device(host_plan: THDCPLayoutPlan, device: torch.device) -> THDCPLayoutPlan:
+    """Move a plan built on the host to ``device``, remembering the host copy so its moves derive without a sync."""
+    plan = host_plan.to(device)
+    if plan is not host_plan:
+        _HOST_PLANS[plan] = host_plan
+    return plan
+
+
+def _arrival_of_slot(plan: THDCPLayoutPlan) -> torch.Tensor | None:
+    """Each zigzag slot's arrival (the arrival count for padding); None when the arrivals fill the slots in order."""
+    positions = plan.forward_receive_positions
+    count = positions.numel()
+    if count == plan.zigzag_local_token_count and bool(torch.equal(positions, torch.arange(count))):
+        return None
+    arrival = torch.full((plan.zigzag_local_token_count,), count, dtype=torch.int64)
+    arrival[positions] = torch.arange(count)
+    return arrival
+
+
+def _token_moves(plan: THDCPLayoutPlan, to_zigzag: bool, own_rank: int) -> _TokenMoves:
+    """This rank's moves for converting with ``plan`` in one direction, derived once per plan from its fields.
+
+    They are derived on the host: from the host copy of a plan built by ``build_thd_cp_layout_plan``, or, for a plan
+    made elsewhere on an accelerator, from one host copy of its index tensors.
     """
-    cache = plan._token_moves_cache
+    moves_of_plan = _TOKEN_MOVES.setdefault(plan, {})
     key = (to_zigzag, own_rank)
-    if key in cache:
-        return cache[key]
-    host = {
-        name: getattr(plan, name).cpu()
-        for name in ("forward_send_indices", "reverse_send_indices", "reverse_receive_indices")
-    }
+    if key in moves_of_plan:
+        return moves_of_plan[key]
+    host = _HOST_PLANS.get(plan) or plan.to("cpu")
     if to_zigzag:
-        gather = None if plan.forward_receive_is_identity else _zigzag_gather_indices(plan)
         moves = _build_token_moves(
-            None if plan.forward_send_is_identity else host["forward_send_indices"],
-            _forward_send_padding_rows(plan).cpu(),
-            plan.forward_input_split_sizes,
-            plan.forward_output_split_sizes,
-            plan.contiguous_local_token_count,
-            plan.zigzag_local_token_count,
-            None if gather is None else gather.cpu(),
+            host.forward_send_indices,
+            host.forward_input_split_sizes,
+            host.forward_output_split_sizes,
+            host.contiguous_local_token_count,
+            host.zigzag_local_token_count,
+            _arrival_of_slot(host),
             own_rank,
         )
     else:
         moves = _build_token_moves(
-            None if plan.forward_receive_is_identity else host["reverse_send_indices"],
-            None,
-            plan.forward_output_split_sizes,
-            plan.forward_input_split_sizes,
-            plan.zigzag_local_token_count,
-            plan.contiguous_local_token_count,
-            None if plan.forward_send_is_identity else host["reverse_receive_indices"],
+            host.reverse_send_indices,
+            host.forward_output_split_sizes,
+            host.forward_input_split_sizes,
+            host.zigzag_local_token_count,
+            host.contiguous_local_token_count,
+            host.reverse_receive_indices,
             own_rank,
         )
-    cache[key] = moves = moves.to(plan.forward_send_indices.device)
+    moves_of_plan[key] = moves = moves.to(plan.forward_send_indices.device)
     return moves
 
 
@@ -429,8 +410,6 @@ def _move_tokens(
     else:
         send = _staging.get("send", (moves.send_count, *token_shape), dtype, device)
         moves.send.apply(send, tokens)
-        if moves.send_padding_rows is not None:
-            send.index_fill_(0, moves.send_padding_rows, 0)
     splits = (moves.output_split_sizes, moves.input_split_sizes)
     if before == 1 and moves.receive_run is not None:
         landing = placed[moves.receive_run : moves.receive_run + moves.receive_count]

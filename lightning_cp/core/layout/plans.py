@@ -1,11 +1,10 @@
-"""Pure plan building for CP layout conversion: layouts, segment ownership and all-to-all-v plans, no process group."""
+"""Pure plan building for CP layout conversion: dense segment plans and packed (THD) plans, no process group."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -36,16 +35,16 @@ class _LayoutRedistributionPlan:
     receive_permutation: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class THDCPLayoutPlan:
     """Rank-local all-to-all-v plan for packed sequence layout conversion.
 
     Forward fields describe contiguous-to-zigzag conversion. Reverse fields describe the inverse conversion.
-    The plan is built once per packed batch and reused around every attention layer. Padding travels as zero rows
-    (``forward_send_indices`` -1, listed in ``forward_send_padding_rows``) so arrivals on the zigzag side are
-    already in slot order; the ``*_is_identity`` flags mark index steps conversion can skip. ``_token_moves_cache``
-    holds the per-rank data moves derived from the plan (``layout_movers``), filled on the host by the plan builder
-    (or at first use for hand-built plans) and carried along by ``to``.
+    The plan is built once per packed batch and reused around every attention layer. Padding never travels:
+    ``forward_send_indices`` are positions in this rank's contiguous input of the real tokens it sends, grouped by
+    destination group rank; ``forward_receive_positions`` give each arrival's zigzag slot (the output starts as
+    zeros); ``reverse_send_indices`` are zigzag positions of real tokens; ``reverse_receive_indices`` map each
+    contiguous output position to its row in the received buffer (docs/layout.md).
     """
 
     contiguous_local_token_count: int
@@ -59,10 +58,6 @@ class THDCPLayoutPlan:
     forward_output_split_sizes: tuple[int, ...]
     reverse_send_indices: torch.Tensor
     reverse_receive_indices: torch.Tensor
-    forward_send_is_identity: bool = False
-    forward_receive_is_identity: bool = False
-    forward_send_padding_rows: torch.Tensor | None = None
-    _token_moves_cache: dict[tuple[bool, int], Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def group_size(self) -> int:
@@ -79,9 +74,7 @@ class THDCPLayoutPlan:
             for field in dataclasses.fields(self)
             if isinstance(value := getattr(self, field.name), torch.Tensor)
         }
-        plan = dataclasses.replace(self, **moved)
-        plan._token_moves_cache.update((key, moves.to(device)) for key, moves in self._token_moves_cache.items())
-        return plan
+        return dataclasses.replace(self, **moved)
 
 
 def _build_group_rank_by_logical_rank(
@@ -201,38 +194,20 @@ def _build_thd_rank_order_indices(
     return rank_order_indices, padded_offsets.to(torch.int32)
 
 
-def _padding_aware_senders(
-    indices: torch.Tensor, is_token: torch.Tensor, contiguous_count: int, zigzag_count: int
-) -> torch.Tensor:
-    """Logical rank that sends each zigzag slot: a token's owner; for padding, the sender of the nearest token
-    before it in the same receiver's slots (after it when there is none; the receiver itself when it has none)."""
-    sender = torch.div(indices, contiguous_count, rounding_mode="floor")
-    padding_slots = torch.nonzero(~is_token).flatten()
-    if padding_slots.numel() == 0:
-        return sender
-    token_slots = torch.nonzero(is_token).flatten()
-    receiver = padding_slots // zigzag_count
-    if token_slots.numel() == 0:
-        sender[padding_slots] = receiver
-        return sender
-    after = torch.searchsorted(token_slots, padding_slots)
-    previous = token_slots.index_select(0, (after - 1).clamp(min=0))
-    following = token_slots.index_select(0, after.clamp(max=token_slots.numel() - 1))
-    has_previous = (after > 0) & (previous // zigzag_count == receiver)
-    has_following = (after < token_slots.numel()) & (following // zigzag_count == receiver)
-    sender[padding_slots] = torch.where(
-        has_previous,
-        sender.index_select(0, previous),
-        torch.where(has_following, sender.index_select(0, following), receiver),
-    )
-    return sender
+def _in_group_rank_order(logical_ranks: torch.Tensor, group_rank_table: torch.Tensor | None) -> torch.Tensor:
+    """Indices that order entries (already in logical-rank order) by group rank, keeping order within a rank."""
+    if group_rank_table is None:
+        return torch.arange(logical_ranks.numel(), device=logical_ranks.device)
+    return torch.argsort(group_rank_table[logical_ranks], stable=True)
 
 
-def _stable_order_by(keys: torch.Tensor) -> torch.Tensor:
-    """Indices that sort ``keys`` stably, skipping the sort when they are already in order."""
-    if keys.numel() < 2 or bool((keys[1:] >= keys[:-1]).all()):
-        return torch.arange(keys.numel(), device=keys.device)
-    return torch.argsort(keys, stable=True)
+def _split_sizes(logical_ranks: torch.Tensor, group_ranks: tuple[int, ...]) -> tuple[int, ...]:
+    """Count entries per group rank, given each entry's logical rank."""
+    per_logical = torch.bincount(logical_ranks, minlength=len(group_ranks)).tolist()
+    sizes = [0] * len(group_ranks)
+    for logical, count in enumerate(per_logical):
+        sizes[group_ranks[logical]] = count
+    return tuple(sizes)
 
 
 def _build_thd_cp_layout_plan_from_rank_order_indices(
@@ -249,9 +224,9 @@ def _build_thd_cp_layout_plan_from_rank_order_indices(
     """Build a packed layout plan from source indices grouped by target logical rank.
 
     rank_order_indices contains one entry for every padded attention position. Non-negative entries identify
-    positions in the contiguous input; -1 entries are temporary padding. Padding slots travel as zero rows
-    (``forward_send_indices`` -1) from the sender of the token before them, so every receiver's slots arrive as
-    runs in slot order: the contiguous side gathers once per conversion and the zigzag side needs no index work.
+    positions in the contiguous input; -1 entries are temporary padding, which never travels. Zigzag slots hold
+    their tokens in increasing source order, so both directions come out grouped by rank without a sort when group
+    ranks follow logical ranks.
     """
     check_coordinates(cp_size, cp_rank, tp_size, tp_rank)
     group_size = cp_size * tp_size
@@ -261,37 +236,39 @@ def _build_thd_cp_layout_plan_from_rank_order_indices(
     if source_token_count % group_size != 0:
         raise ValueError(f"source token count {source_token_count} is not divisible by {group_size} ranks")
     group_ranks = tuple(range(group_size)) if group_rank_by_logical_rank is None else group_rank_by_logical_rank
-    if len(group_ranks) != group_size:
-        raise ValueError(f"group_rank_by_logical_rank has {len(group_ranks)} entries, expected {group_size}")
+    if sorted(group_ranks) != list(range(group_size)):
+        raise ValueError(f"group_rank_by_logical_rank {group_ranks} is not a permutation of {group_size} group ranks")
     device = rank_order_indices.device
-    group_rank_table = torch.tensor(group_ranks, dtype=torch.int64, device=device)
+    identity = group_ranks == tuple(range(group_size))
+    group_rank_table = None if identity else torch.tensor(group_ranks, dtype=torch.int64, device=device)
     zigzag_count = padded_total // group_size
     contiguous_count = source_token_count // group_size
     logical_rank = cp_rank * tp_size + tp_rank
     indices = rank_order_indices.to(torch.int64)
-    is_token = indices >= 0
-    sender = _padding_aware_senders(indices, is_token, contiguous_count, zigzag_count)
-
-    my_slots = slice(logical_rank * zigzag_count, (logical_rank + 1) * zigzag_count)
-    origin = group_rank_table[sender[my_slots]]
-    forward_receive_positions = _stable_order_by(origin)
-    output_split_sizes = torch.bincount(origin, minlength=group_size)
-
-    sent_slots = torch.nonzero(sender == logical_rank).flatten()
-    destination = group_rank_table[sent_slots // zigzag_count]
-    sent_slots = sent_slots[_stable_order_by(destination)]
     first_source = logical_rank * contiguous_count
-    sends_token = is_token[sent_slots]
-    forward_send_indices = torch.where(sends_token, indices[sent_slots] - first_source, -1)
-    token_rows = torch.nonzero(sends_token).flatten()
-    if token_rows.numel() != contiguous_count:
+
+    # Forward send: every zigzag slot (of any receiver) that holds one of this rank's tokens, in slot order.
+    local = indices - first_source
+    sent_slots = torch.nonzero((local >= 0) & (local < contiguous_count)).flatten()
+    if sent_slots.numel() != contiguous_count:
         raise ValueError(
-            f"rank_order_indices place {token_rows.numel()} of logical rank {logical_rank}'s "
+            f"rank_order_indices place {sent_slots.numel()} of logical rank {logical_rank}'s "
             f"{contiguous_count} tokens, expected each exactly once"
         )
-    input_split_sizes = torch.bincount(destination, minlength=group_size)
-    reverse_receive_indices = torch.empty(contiguous_count, dtype=torch.int64, device=device)
-    reverse_receive_indices[forward_send_indices[token_rows]] = token_rows
+    destinations = torch.div(sent_slots, zigzag_count, rounding_mode="floor")
+    order = _in_group_rank_order(destinations, group_rank_table)
+    forward_send_indices = local.index_select(0, sent_slots.index_select(0, order))
+
+    # Forward receive: this rank's slots that hold a token, by sender (arrivals come in group-rank order).
+    my_slots = indices[logical_rank * zigzag_count : (logical_rank + 1) * zigzag_count]
+    filled = torch.nonzero(my_slots >= 0).flatten()
+    senders = torch.div(my_slots.index_select(0, filled), contiguous_count, rounding_mode="floor")
+    forward_receive_positions = filled.index_select(0, _in_group_rank_order(senders, group_rank_table))
+
+    reverse_receive_indices = torch.full((contiguous_count,), -1, dtype=torch.int64, device=device)
+    reverse_receive_indices[forward_send_indices] = torch.arange(contiguous_count, device=device)
+    if bool((reverse_receive_indices < 0).any()):
+        raise ValueError(f"rank_order_indices place some of logical rank {logical_rank}'s tokens more than once")
     lengths = cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]
     return THDCPLayoutPlan(
         contiguous_local_token_count=contiguous_count,
@@ -301,14 +278,8 @@ def _build_thd_cp_layout_plan_from_rank_order_indices(
         pad_between_seqs=bool(pad_between_seqs),
         forward_send_indices=forward_send_indices,
         forward_receive_positions=forward_receive_positions,
-        forward_input_split_sizes=tuple(input_split_sizes.tolist()),
-        forward_output_split_sizes=tuple(output_split_sizes.tolist()),
+        forward_input_split_sizes=_split_sizes(destinations, group_ranks),
+        forward_output_split_sizes=_split_sizes(senders, group_ranks),
         reverse_send_indices=forward_receive_positions,
         reverse_receive_indices=reverse_receive_indices,
-        forward_send_is_identity=forward_send_indices.numel() == contiguous_count
-        and bool(torch.equal(forward_send_indices, torch.arange(contiguous_count, device=device))),
-        forward_receive_is_identity=bool(
-            torch.equal(forward_receive_positions, torch.arange(zigzag_count, device=device))
-        ),
-        forward_send_padding_rows=torch.nonzero(~sends_token).flatten(),
     )
