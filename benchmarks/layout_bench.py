@@ -9,31 +9,36 @@ Each timed repetition runs contiguous -> zigzag -> contiguous once per candidate
 - ``naive``: all-gather the whole sequence and slice this rank's part, both ways.
 A repetition's time is the slowest rank's; the table shows the best repetition (interference from other jobs on
 a shared host only ever adds time) and, for the ratio to the floor, also the ratio of medians. THD plan building
-is timed on its own (one rank's pure plan builders, single thread) for a grid of token and sequence counts.
+is timed on its own (one rank's ``build_thd_cp_layout_plan`` with a stand-in group, single thread) for a grid of token
+and sequence counts, side by side with the reference builder when ``--reference-layout`` names its file.
 
-Run: ``python benchmarks/layout_bench.py`` (``--quick`` for a short run); the table is printed and saved to
+Run: ``python benchmarks/layout_bench.py`` (``--quick`` for a short run, ``--reference-layout PATH``); the table is
+printed and saved to
 ``benchmarks/results/layout_bench.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import multiprocessing as mp
 import os
 import platform
 import socket
 import statistics
+import sys
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_cp.core.layout.api import (
+from lightning_cp.layout import (
     _build_layout_redistribution_plan,
-    _build_thd_cp_layout_plan_from_rank_order_indices,
     _build_thd_rank_order_indices,
     build_thd_cp_layout_plan,
     contiguous_to_zigzag,
@@ -286,21 +291,68 @@ def _conversion_rows(settings: Settings) -> list[tuple]:
     return rows
 
 
-def _plan_building_rows(settings: Settings) -> list[tuple[int, int, int, float]]:
-    """Median time of one rank's pure THD plan building (rank order + rank-local plan) over a grid."""
+class _StandInGroup:
+    """A group that only answers ``size()`` and ``rank()``: plan building needs no process group."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _load_reference_layout(path: Path | None) -> Any:
+    """Load the reference layout module (Megatron-LM's ``megatron/core/context_parallel/layout.py``) from ``path``.
+
+    Its two Megatron imports are stubbed: plan building uses neither. Get the file with
+    ``git show 3aa19548c6:megatron/core/context_parallel/layout.py`` in a Megatron-LM clone.
+    """
+    if path is None:
+        return None
+    stubs = {
+        name: types.ModuleType(name)
+        for name in (
+            "megatron",
+            "megatron.core",
+            "megatron.core.tensor_parallel",
+            "megatron.core.tensor_parallel.mappings",
+            "megatron.core.packed_seq_params",
+        )
+    }
+    stubs["megatron.core.tensor_parallel.mappings"].all_to_all = None
+    stubs["megatron.core.packed_seq_params"].PackedSeqParams = type("PackedSeqParams", (), {})
+    for name, module in stubs.items():
+        sys.modules.setdefault(name, module)
+    spec = importlib.util.spec_from_file_location("reference_layout", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _plan_building_rows(settings: Settings, reference: Any) -> list[tuple[int, int, int, float, float | None]]:
+    """Median time of one rank's ``build_thd_cp_layout_plan`` (stand-in group, single thread), ours and the reference's
+    interleaved when given, over a grid."""
     torch.set_num_threads(1)
     rows = []
     for tokens in settings.plan_token_counts:
         for sequences in settings.plan_sequence_counts:
             cu_seqlens = _random_cu_seqlens(tokens, sequences, seed=sequences)
             for cp in settings.plan_cp_sizes:
-                times = []
-                for _ in range(5):
-                    start = time.perf_counter()
-                    order, offsets = _build_thd_rank_order_indices(cu_seqlens, None, cp, 1, tokens)
-                    _build_thd_cp_layout_plan_from_rank_order_indices(order, tokens, offsets, cp, cp - 1)
-                    times.append(time.perf_counter() - start)
-                rows.append((tokens, sequences, cp, 1e3 * statistics.median(times)))
+                group = _StandInGroup(cp, cp - 1)
+                builders = {"ours": build_thd_cp_layout_plan}
+                if reference is not None:
+                    builders["reference"] = reference.build_thd_cp_layout_plan
+                times: dict[str, list[float]] = {name: [] for name in builders}
+                for _ in range(7):
+                    for name, build in builders.items():
+                        start = time.perf_counter()
+                        build(cu_seqlens, tokens, group)
+                        times[name].append(time.perf_counter() - start)
+                medians = {name: 1e3 * statistics.median(values) for name, values in times.items()}
+                rows.append((tokens, sequences, cp, medians["ours"], medians.get("reference")))
     return rows
 
 
@@ -345,15 +397,19 @@ def _table(conversions: list[tuple], plans: list[tuple], settings: Settings, wal
             if kind == "packed" and hidden == settings.hidden_sizes[-1]
         ),
         "",
-        "THD plan building, one rank's pure builders (rank order + rank-local plan), single thread, median of 5, ms:",
+        "THD plan building: one rank's `build_thd_cp_layout_plan` with a stand-in group (no process group), single "
+        "thread, median of 7 interleaved runs, ms; the reference is Megatron-LM's builder (`--reference-layout`):",
         "",
-        "| tokens | sequences | cp | ms |",
-        "| --- | --- | --- | --- |",
+        "| tokens | sequences | cp | ours | reference | ours / reference |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
-    lines += [f"| {tokens} | {sequences} | {cp} | {ms:.1f} |" for tokens, sequences, cp, ms in plans]
-    target = [ms for tokens, sequences, cp, ms in plans if (tokens, sequences, cp) == (262144, 2048, 8)]
-    if target:
-        lines += ["", f"256k tokens / 2k sequences / cp=8: {target[0]:.1f} ms (target < 20 ms)."]
+    for tokens, sequences, cp, ours, reference in plans:
+        versus = "" if reference is None else f"{reference:.1f} | {ours / reference:.2f}"
+        lines.append(f"| {tokens} | {sequences} | {cp} | {ours:.1f} | {versus or 'not run |'} |")
+    target = [row for row in plans if row[:3] == (262144, 2048, 8)]
+    if target and target[0][4] is not None:
+        ratio = target[0][3] / target[0][4]
+        lines += ["", f"256k tokens / 2k sequences / cp=8: {ratio:.2f} x the reference's time (target <= 0.5)."]
     return "\n".join(lines) + "\n"
 
 
@@ -362,10 +418,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     parser.add_argument("--output", type=Path, default=RESULTS, help="where to save the markdown table")
+    parser.add_argument(
+        "--reference-layout", type=Path, help="Megatron-LM's context_parallel/layout.py, to time its plan builder too"
+    )
     arguments = parser.parse_args()
     settings = _settings(arguments.quick)
     start = time.perf_counter()
-    plans = _plan_building_rows(settings)
+    plans = _plan_building_rows(settings, _load_reference_layout(arguments.reference_layout))
     conversions = _conversion_rows(settings)
     table = _table(conversions, plans, settings, time.perf_counter() - start)
     print(table)

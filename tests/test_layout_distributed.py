@@ -7,6 +7,7 @@ from itertools import pairwise
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_cp.core.layout.api import build_thd_cp_layout_plan, contiguous_to_zigzag, zigzag_to_contiguous
 from tests.distributed_harness import run_on_ranks
@@ -38,6 +39,20 @@ def _check_dense(cp, tp, logical, groups, seq_dim) -> None:
     assert torch.equal(converted, take(sequence, zigzag, seq_dim)), "a later conversion overwrote an earlier output"
 
 
+def _replay(plan, rows: torch.Tensor, group, to_zigzag: bool) -> torch.Tensor:
+    """Apply a THD plan's documented fields exactly, with a raw ``all_to_all_single``."""
+    send_indices = plan.forward_send_indices if to_zigzag else plan.reverse_send_indices
+    sizes = (plan.forward_input_split_sizes, plan.forward_output_split_sizes)
+    input_sizes, output_sizes = sizes if to_zigzag else sizes[::-1]
+    received = rows.new_empty((sum(output_sizes), *rows.shape[1:]))
+    sent = rows.index_select(0, send_indices)
+    dist.all_to_all_single(received, sent, list(output_sizes), list(input_sizes), group=group)
+    if not to_zigzag:
+        return received.index_select(0, plan.reverse_receive_indices)
+    output = rows.new_zeros((plan.zigzag_local_token_count, *rows.shape[1:]))
+    return output.index_copy_(0, plan.forward_receive_positions, received)
+
+
 def _check_packed(cp, tp, logical, groups, cu, cu_padded, seq_dim) -> None:
     """Plan metadata, values, round trip and gradients of a packed conversion; padding slots are zeros."""
     token_count = (cu_padded or cu)[-1]
@@ -65,6 +80,10 @@ def _check_packed(cp, tp, logical, groups, cu, cu_padded, seq_dim) -> None:
     local = shaped(stream[own]).requires_grad_()
     converted = contiguous_to_zigzag(local, *groups, thd_plan=plan, seq_dim=seq_dim)
     assert torch.equal(converted, shaped(take(stream, positions[logical])))
+    communication_group = groups[3] if groups[1] and tp > 1 else groups[0]
+    replayed = _replay(plan, stream[own], communication_group, to_zigzag=True)
+    assert torch.equal(shaped(replayed), converted), "the documented fields replayed give the conversion"
+    assert torch.equal(_replay(plan, replayed, communication_group, to_zigzag=False), stream[own])
     converted.backward(shaped(zigzag_upstream))
     gradient = torch.zeros(token_count, 4, dtype=torch.float64)
     flat = [p for rank in positions for p in rank]

@@ -136,7 +136,9 @@ def test_thd_rank_order_matches_reference(cp, tp):
 
 @pytest.mark.parametrize("tp", TP_SIZES)
 @pytest.mark.parametrize("cp", CP_SIZES)
-def test_thd_plans_round_trip_through_emulated_all_to_all(cp, tp):
+def test_thd_plans_replayed_field_by_field_reproduce_the_conversion(cp, tp):
+    """Replaying exactly the documented fields (index_select, all-to-all with the split sizes, index_copy into zeros;
+    back: index_select, all-to-all, index_select) gives the reference zigzag shards and back; no padding travels."""
     ranks = cp * tp
     for cu, cu_padded in _packed_cases(cp, tp):
         token_count = (cu_padded or cu)[-1]
@@ -155,27 +157,48 @@ def test_thd_plans_round_trip_through_emulated_all_to_all(cp, tp):
             }
             sends = []
             for g in range(ranks):
-                logical = logical_of_group[g]
+                plan, logical = plans[g], logical_of_group[g]
+                real_slots = [slot for slot, p in enumerate(positions[logical]) if p >= 0]
+                assert ((plan.forward_send_indices >= 0) & (plan.forward_send_indices < shard)).all()
+                assert sum(plan.forward_input_split_sizes) == plan.forward_send_indices.numel() == shard
+                assert sum(plan.forward_output_split_sizes) == len(real_slots), "padding slots are not received"
+                assert sorted(plan.forward_receive_positions.tolist()) == real_slots
+                assert sorted(plan.reverse_send_indices.tolist()) == real_slots, "padding is never sent back"
                 local = stream[logical * shard : (logical + 1) * shard]
-                send_indices = plans[g].forward_send_indices
-                buffer = torch.where((send_indices >= 0).unsqueeze(1), local[send_indices.clamp(min=0)], 0.0)
-                sends.append(list(buffer.split(list(plans[g].forward_input_split_sizes))))
+                buffer = local.index_select(0, plan.forward_send_indices)
+                sends.append(list(buffer.split(list(plan.forward_input_split_sizes))))
             received = _all_to_all(sends)
             zigzag = {}
             for g in range(ranks):
                 plan = plans[g]
-                assert sum(plan.forward_output_split_sizes) == received[g].shape[0]
                 out = torch.zeros(plan.zigzag_local_token_count, 2, dtype=stream.dtype)
-                out[plan.forward_receive_positions] = received[g]
+                out.index_copy_(0, plan.forward_receive_positions, received[g])
                 assert torch.equal(out, take(stream, positions[logical_of_group[g]])), (cu, cu_padded, cp, tp, g)
                 zigzag[g] = out
             back_sends = [
-                list(zigzag[g][plans[g].reverse_send_indices].split(list(plans[g].forward_output_split_sizes)))
+                list(
+                    zigzag[g]
+                    .index_select(0, plans[g].reverse_send_indices)
+                    .split(list(plans[g].forward_output_split_sizes))
+                )
                 for g in range(ranks)
             ]
             back = _all_to_all(back_sends)
             for g in range(ranks):
                 logical = logical_of_group[g]
-                restored = back[g][plans[g].reverse_receive_indices]
+                restored = back[g].index_select(0, plans[g].reverse_receive_indices)
                 assert torch.equal(restored, stream[logical * shard : (logical + 1) * shard])
                 assert plans[g].max_seqlen_padded == max(b - a for a, b in pairwise(offsets))
+
+
+def test_documented_plan_example():
+    """cp=4, cu_seqlens (0, 3, 10, 16), logical rank 0: the fields the layout contract spells out."""
+    indices, offsets = _build_thd_rank_order_indices(torch.tensor([0, 3, 10, 16], dtype=torch.int32), None, 4, 1)
+    plan = _build_thd_cp_layout_plan_from_rank_order_indices(indices, 16, offsets, 4, 0)
+    assert plan.forward_send_indices.tolist() == [0, 3, 1, 2]
+    assert plan.forward_input_split_sizes == (2, 1, 1, 0)
+    assert plan.forward_output_split_sizes == (2, 0, 1, 0)
+    assert plan.forward_receive_positions.tolist() == [0, 2, 4]
+    assert plan.reverse_send_indices.tolist() == [0, 2, 4]
+    assert plan.reverse_receive_indices.tolist() == [0, 2, 3, 1]
+    assert (plan.contiguous_local_token_count, plan.zigzag_local_token_count) == (4, 6)
