@@ -70,7 +70,7 @@ class Settings:
 
 
 def _settings(quick: bool) -> Settings:
-    """Full grid of issue 2 section 6, or a trimmed one for ``--quick``."""
+    """The full grid, or a trimmed one for ``--quick``."""
     if quick:
         return Settings(
             (2, 4), (8192, 32768, 131072), (1024,), True, (65536, 262144), (100, 2048), (2, 8), torch.bfloat16

@@ -1,4 +1,4 @@
-"""Bad input (issue 2 section 4): the same ValueError on every rank, before any collective, so nothing hangs."""
+"""Bad input: the same ValueError on every rank, before any collective, so nothing hangs (docs/layout.md)."""
 
 from __future__ import annotations
 
