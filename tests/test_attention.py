@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import random
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -14,80 +12,19 @@ from lightning_cp.core import zigzag
 from lightning_cp.core.attention import api as attention
 from lightning_cp.core.attention import kernels
 from lightning_cp.core.attention.api import zigzag_attention
-from lightning_cp.core.packed import PackedSeqParams
+from tests.attention_helpers import (
+    Case,
+    case_lengths,
+    compare_slots,
+    packed_params,
+    reference_attention,
+    shard_slots,
+    zigzag_index,
+)
 from tests.distributed_harness import run_on_ranks
 
 MODES = ("allgather", "ring")
 KERNELS = ("cpu_flash", "math")
-
-
-@dataclass(frozen=True)
-class Case:
-    """One attention configuration to check."""
-
-    packed: bool
-    causal: bool
-    mode: str
-    backend: str
-    heads: tuple[int, int]
-    dtype: torch.dtype = torch.float64
-
-    @property
-    def name(self) -> str:
-        """Readable id for failure messages."""
-        layout = "packed" if self.packed else "dense"
-        return f"{layout}-causal={self.causal}-{self.mode}-{self.backend}-heads={self.heads}-{self.dtype}"
-
-
-def zigzag_index(lengths: list[int], cp: int, rank: int) -> list[int]:
-    """Global token index of every slot CP rank ``rank`` holds (``-1`` for padding), written out by hand."""
-    index, offset = [], 0
-    for length in lengths:
-        chunk = -(-length // (2 * cp))
-        for chunk_id in (rank, 2 * cp - 1 - rank):
-            for j in range(chunk):
-                position = chunk_id * chunk + j
-                index.append(offset + position if position < length else -1)
-        offset += length
-    return index
-
-
-def packed_params(lengths: list[int], cp: int) -> PackedSeqParams:
-    """Zigzag-side metadata: actual cumulative lengths and offsets padded per sequence to a multiple of 2*cp."""
-    padded = [-(-length // (2 * cp)) * (2 * cp) for length in lengths]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    cu_padded = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
-    return PackedSeqParams(
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu.clone(),
-        cu_seqlens_q_padded=cu_padded,
-        cu_seqlens_kv_padded=cu_padded.clone(),
-        max_seqlen_q=max(padded),
-        max_seqlen_kv=max(padded),
-        pad_between_seqs=padded != lengths,
-    )
-
-
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor, causal: bool):
-    """Softmax attention over ``[S, B, H, D]`` tensors, masked to the same document (and the past if causal)."""
-    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
-    v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
-    scores = torch.einsum("sbhd,tbhd->bhst", q, k) / q.shape[-1] ** 0.5
-    mask = doc.unsqueeze(1) == doc.unsqueeze(0)
-    if causal:
-        mask &= torch.ones_like(mask).tril()
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    return torch.einsum("bhst,tbhd->sbhd", probs, v)
-
-
-def case_lengths(case: Case, cp: int, seed: int) -> list[int]:
-    """Dense: one sequence of 6*cp tokens. Packed: seeded random lengths including 1 and one below 2*cp."""
-    if not case.packed:
-        return [6 * cp]
-    rng = random.Random(seed)
-    lengths = [1, max(1, 2 * cp - 1), rng.randint(1, 3), *(rng.randint(1, 19) for _ in range(3)), 2 * cp + 1]
-    rng.shuffle(lengths)
-    return lengths
 
 
 def check_case(case: Case, cp: int, rank: int, group, seed: int) -> list[str]:
@@ -105,7 +42,7 @@ def check_case(case: Case, cp: int, rank: int, group, seed: int) -> list[str]:
     expected.backward(dout)
     index = torch.tensor(zigzag_index(lengths, cp, rank))
     valid = index >= 0
-    local = [_shard(x, index, case) for x in (q, k, v, dout)]
+    local = [shard_slots(x, index, case) for x in (q, k, v, dout)]
     for x in local:
         x[~valid] = 3.0  # padding should arrive as zeros; garbage there must not leak anywhere either
     *local, local_dout = (x.to(case.dtype) for x in local)
@@ -115,7 +52,7 @@ def check_case(case: Case, cp: int, rank: int, group, seed: int) -> list[str]:
     names = ("out", "dq", "dk", "dv")
     got = (out, *(x.grad for x in local))
     want = (expected, *(x.grad for x in leaves))
-    failures = (_compare(*args, index, case) for args in zip(names, got, want, strict=True))
+    failures = (compare_slots(*args, index, case) for args in zip(names, got, want, strict=True))
     return [f"{case.name} cp={cp} rank={rank}: {failure}" for failure in failures if failure]
 
 
@@ -147,30 +84,6 @@ def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, softmax_scale, 
             scores = scores.masked_fill(~visible, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vi))
     return torch.cat(outs)
-
-
-def _shard(x: torch.Tensor, index: torch.Tensor, case: Case) -> torch.Tensor:
-    """Take this rank's slots of a global ``[S, B, H, D]`` tensor; zeros in padding; ``[T, H, D]`` when packed."""
-    valid = index >= 0
-    local = x.new_zeros((index.shape[0], *x.shape[1:]))
-    local[valid] = x[index[valid]]
-    return local.squeeze(1) if case.packed else local
-
-
-def _compare(name: str, got: torch.Tensor, ref: torch.Tensor, index: torch.Tensor, case: Case) -> str:
-    """Describe a mismatch between this rank's values and the reference slots, or return an empty string."""
-    got = got.double()
-    if case.packed:
-        got = got.unsqueeze(1)
-    if not torch.isfinite(got).all():
-        return f"{name} has non-finite values"
-    valid = index >= 0
-    if bool((got[~valid] != 0).any()):
-        return f"{name} is nonzero in padding slots"
-    error = (got[valid] - ref[index[valid]]).abs().max().item()
-    relative = {torch.float64: 0.0, torch.float32: 1e-5, torch.bfloat16: 2e-2}[case.dtype]
-    tolerance = 1e-10 if case.dtype == torch.float64 else relative * ref.abs().max().item()
-    return f"{name} max error {error:.3g} > {tolerance:.3g}" if error > tolerance else ""
 
 
 def all_cases() -> list[Case]:
@@ -233,10 +146,10 @@ def test_compare_detects_a_wrong_output():
     ref = torch.ones(2, 1, 2, 8, dtype=torch.float64)
     good = torch.ones(3, 2, 8, dtype=torch.float64)
     good[1] = 0
-    assert _compare("out", good, ref, index, case) == ""
-    assert "max error" in _compare("out", good * 1.001, ref, index, case)
+    assert compare_slots("out", good, ref, index, case) == ""
+    assert "max error" in compare_slots("out", good * 1.001, ref, index, case)
     good[1] = 1e-3
-    assert "padding" in _compare("out", good, ref, index, case)
+    assert "padding" in compare_slots("out", good, ref, index, case)
 
 
 def test_zigzag_index_matches_design_example():

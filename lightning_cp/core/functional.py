@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lightning_cp.core.attention.api import attend_on_zigzag_shards, check_attention_inputs
+from lightning_cp.core.attention.api import attend_on_shards, check_attention_inputs
 from lightning_cp.core.packed import host_offsets
 from lightning_cp.core.step import active_step
 from lightning_cp.core.zigzag import CPLayout
@@ -73,7 +73,7 @@ def cp_attention(
     q, k, v = (tensor[0] if packed else tensor.transpose(0, 1) for tensor in (q, k, v))
     mode = step.attention_mode
     check_attention_inputs(q, k, v, packed=packed, mode=mode, backend="auto", softmax_scale=softmax_scale)
-    output = attend_on_zigzag_shards(
+    output = attend_on_shards(
         q, k, v, step.cp_group, step.geometry, packed=packed, causal=causal, softmax_scale=softmax_scale,
         mode=mode,
     )  # fmt: skip

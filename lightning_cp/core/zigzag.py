@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -240,6 +240,26 @@ def zigzag_rank_tokens(lengths: Sequence[int], padded: Sequence[int], cp_size: i
     return RankTokens(torch.cat(docs), torch.cat(positions), perm)
 
 
+def in_local_order(tokens: RankTokens) -> RankTokens:
+    """Return ``tokens`` re-ordered from half-major to the rank's local order (``perm`` ``None``)."""
+    if tokens.perm is None:
+        return tokens
+    doc, pos = torch.empty_like(tokens.doc), torch.empty_like(tokens.pos)
+    doc[tokens.perm], pos[tokens.perm] = tokens.doc, tokens.pos
+    return RankTokens(doc, pos, None)
+
+
+def stream_tokens(lengths: Sequence[int], total: int) -> RankTokens:
+    """Describe a whole contiguous token stream of ``total`` slots: documents of ``lengths``, then padding."""
+    actual = torch.tensor(list(lengths), dtype=torch.int64)
+    real = int(actual.sum())
+    doc = torch.full((total,), -1, dtype=torch.int64)
+    pos = torch.zeros(total, dtype=torch.int64)
+    doc[:real] = torch.repeat_interleave(torch.arange(len(actual)), actual)
+    pos[:real] = torch.arange(real) - (torch.cumsum(actual, 0) - actual)[doc[:real]]
+    return RankTokens(doc, pos, None)
+
+
 def contiguous_rank_tokens(lengths: Sequence[int], cp_size: int, rank: int) -> RankTokens:
     """Describe rank ``rank``'s tokens when the token stream (padded at the end) is split evenly into ``cp`` slices."""
     actual = torch.tensor(list(lengths), dtype=torch.int64)
@@ -271,6 +291,7 @@ class ZigzagGeometry:
     cp_size: int
     lengths: tuple[int, ...]
     padded_lengths: tuple[int, ...]
+    _derived: dict = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def dense(cp_size: int, sequence_length: int, padded_sequence_length: int | None = None) -> ZigzagGeometry:
@@ -298,6 +319,24 @@ class ZigzagGeometry:
         return tuple(
             zigzag_rank_tokens(self.lengths, self.padded_lengths, self.cp_size, r) for r in range(self.cp_size)
         )
+
+    def gathered_tokens(self, layout: CPLayout | str, stream_length: int | None = None) -> RankTokens:
+        """Describe every rank's shard in ``layout``, concatenated in rank order (what a head exchange gathers).
+
+        ``stream_length`` is the contiguous stream's padded length (default: the zigzag total). Built once per
+        batch and layout, so every layer shares its attention plan.
+        """
+        layout = as_layout(layout)
+        key = (layout, stream_length)
+        if key not in self._derived:
+            if layout is CPLayout.CONTIGUOUS:
+                total = sum(self.padded_lengths) if stream_length is None else stream_length
+                self._derived[key] = stream_tokens(self.lengths, total)
+            else:
+                local = [in_local_order(tokens) for tokens in self.rank_tokens]
+                doc, pos = torch.cat([t.doc for t in local]), torch.cat([t.pos for t in local])
+                self._derived[key] = RankTokens(doc, pos, None)
+        return self._derived[key]
 
     def work_per_rank(self, causal: bool = True, layout: CPLayout | str = CPLayout.ZIGZAG) -> list[int]:
         """Count the unmasked query-key pairs each CP rank computes (padding excluded), in ``layout``."""

@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_cp.core import comm
+from lightning_cp.core.attention.head_parallel import head_parallel, kv_replication, natural_order_plan
 from lightning_cp.core.attention.kernels import (
     CPU_FLASH,
     MATH,
@@ -35,17 +36,20 @@ from lightning_cp.core.attention.kernels import (
     new_accumulator,
 )
 from lightning_cp.core.packed import PackedSeqParams, host_offsets
-from lightning_cp.core.zigzag import LAYOUT_NAMES, RankTokens, ZigzagGeometry, check_offsets
+from lightning_cp.core.zigzag import LAYOUT_NAMES, CPLayout, RankTokens, ZigzagGeometry, check_offsets
 
 logger = logging.getLogger("lightning_cp.core.attention.api")
 
 
 
 class AttentionMode(str, Enum):
-    """How K/V reach the other CP ranks: gathered at once (``allgather``) or passed around the ring (``ring``)."""
+    """How attention spans the CP ranks: K/V gathered at once (``allgather``), passed around the ring (``ring``), heads
+    exchanged for the sequence (``ulysses``), or heads exchanged within groups and a ring across them (``hybrid``)."""
 
     ALLGATHER = "allgather"
     RING = "ring"
+    ULYSSES = "ulysses"
+    HYBRID = "hybrid"
 
 
 MODES = tuple(mode.value for mode in AttentionMode)
@@ -94,21 +98,37 @@ def zigzag_attention(
     softmax_scale: float | None = None,
     mode: str = "allgather",
     backend: str = "auto",
+    ulysses_group: ProcessGroup | None = None,
+    ring_group: ProcessGroup | None = None,
 ) -> Tensor:
     """Attention of this rank's zigzag-shard queries over the whole sequence, with exact forward and backward.
 
     Dense: ``q`` ``[S_local, B, Hq, D]``, ``k``/``v`` ``[S_local, B, Hkv, D]``. Packed: ``[T_local, H, D]`` with the
-    zigzag-side ``packed_seq_params``. ``cp_group`` ``None`` means no context parallelism (one rank).
+    zigzag-side ``packed_seq_params``. ``cp_group`` ``None`` means no context parallelism (one rank). With
+    ``mode="hybrid"`` the CP group is ``ring_group`` x ``ulysses_group`` (CP rank ``ring_rank * u + ulysses_rank``):
+    the shards are zigzag over the ``r`` ring positions, each position's two chunks split evenly over its ``u``
+    Ulysses ranks (the sequence-parallel zigzag layout with ``cp=r, tp=u``).
     """
-    cp = 1 if cp_group is None else comm.group_size(cp_group)
-    geometry = _validate(q, k, v, cp, packed_seq_params, mode, backend, softmax_scale)
-    return attend_on_zigzag_shards(
+    zigzag_ranks, exchange = _zigzag_ranks(cp_group, mode, ulysses_group, ring_group)
+    geometry = _validate(q, k, v, zigzag_ranks, exchange, packed_seq_params, mode, backend, softmax_scale)
+    return attend_on_shards(
         q, k, v, cp_group, geometry, packed=packed_seq_params is not None, causal=causal, softmax_scale=softmax_scale,
-        mode=mode, backend=backend,
+        mode=mode, backend=backend, ulysses_group=ulysses_group, ring_group=ring_group,
     )  # fmt: skip
 
 
-def attend_on_zigzag_shards(
+def _zigzag_ranks(
+    cp_group: ProcessGroup | None, mode: str, ulysses_group: ProcessGroup | None, ring_group: ProcessGroup | None
+) -> tuple[int, int]:
+    """Return the ranks the zigzag layout spans and how many ranks share each zigzag shard (Ulysses in hybrid)."""
+    if mode != AttentionMode.HYBRID.value:
+        return (1 if cp_group is None else cp_group.size()), 1
+    if ulysses_group is None or ring_group is None:
+        raise ValueError("mode='hybrid' needs ulysses_group and ring_group (the two sub-groups of the CP group)")
+    return ring_group.size(), ulysses_group.size()
+
+
+def attend_on_shards(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -120,13 +140,31 @@ def attend_on_zigzag_shards(
     softmax_scale: float | None,
     mode: str,
     backend: str = "auto",
+    ulysses_group: ProcessGroup | None = None,
+    ring_group: ProcessGroup | None = None,
+    layout: CPLayout = CPLayout.ZIGZAG,
+    stream_length: int | None = None,
 ) -> Tensor:
-    """Run zigzag attention for a batch whose ``geometry`` is known (validated shapes; no host synchronisation)."""
-    rank = 0 if cp_group is None else comm.group_rank(cp_group)
-    _check_local_token_count(q.shape[0], geometry)
+    """Run CP attention for a batch whose ``geometry`` is known (validated shapes; no host synchronisation).
+
+    The shards are zigzag, except that ``ulysses`` also takes them in the contiguous ``layout`` (of a stream padded to
+    ``stream_length``): head exchange works on any layout, so it needs no conversion.
+    """
+    _check_local_token_count(q.shape[0], geometry, mode, ulysses_group, layout, stream_length)
     kernel_name = _choose_kernel(backend, mode, q)
     _log_choice_once(kernel_name, mode, q)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if mode == AttentionMode.ULYSSES.value:
+        tokens = geometry.gathered_tokens(layout, stream_length)
+        attend = functools.partial(_attend_whole_sequence, tokens=tokens, packed=packed, causal=causal, scale=scale,
+                                   kernel_name=kernel_name)  # fmt: skip
+        return head_parallel(q, k, v, cp_group, mode, attend)
+    if mode == AttentionMode.HYBRID.value:
+        plan, perm = _block_plan(geometry, ring_group.rank(), causal, q.device)
+        attend = functools.partial(context_parallel_attention, cp_group=ring_group, plan=plan, perm=perm,
+                                   packed=packed, scale=scale, mode="ring", kernel=_KERNELS[kernel_name])  # fmt: skip
+        return head_parallel(q, k, v, ulysses_group, mode, attend)
+    rank = 0 if cp_group is None else comm.group_rank(cp_group)
     if kernel_name == "flash_attn":
         return _flash_attention(q, k, v, cp_group, geometry.rank_tokens, rank, packed, causal, scale)
     plan, perm = _block_plan(geometry, rank, causal, q.device)
@@ -135,13 +173,38 @@ def attend_on_zigzag_shards(
     )
 
 
-def _check_local_token_count(tokens: int, geometry: ZigzagGeometry) -> None:
-    """Reject a local token count that is not this batch's number of zigzag slots per rank."""
-    padded_total, cp = sum(geometry.padded_lengths), geometry.cp_size
-    if cp * tokens != padded_total:
+def _attend_whole_sequence(
+    q: Tensor, k: Tensor, v: Tensor, *, tokens: RankTokens, packed: bool, causal: bool, scale: float, kernel_name: str
+) -> Tensor:
+    """One-rank attention over a whole gathered sequence that ``tokens`` describe in gathered order."""
+    plan, natural, to_natural, from_natural = natural_order_plan(tokens, causal, q.device)
+    if to_natural is not None:
+        q, k, v = (x.index_select(0, to_natural) for x in (q, k, v))
+    if kernel_name == "flash_attn":
+        out = _flash_attention(q, k, v, None, (natural,), 0, packed, causal, scale)
+    else:
+        out = context_parallel_attention(
+            q, k, v, None, plan, None, packed=packed, scale=scale, mode="allgather", kernel=_KERNELS[kernel_name]
+        )
+    return out if from_natural is None else out.index_select(0, from_natural)
+
+
+def _check_local_token_count(
+    tokens: int,
+    geometry: ZigzagGeometry,
+    mode: str = AttentionMode.ALLGATHER.value,
+    ulysses_group: ProcessGroup | None = None,
+    layout: CPLayout = CPLayout.ZIGZAG,
+    stream_length: int | None = None,
+) -> None:
+    """Reject a local token count that is not this batch's number of slots per rank."""
+    exchange = ulysses_group.size() if mode == AttentionMode.HYBRID.value else 1
+    total = sum(geometry.padded_lengths) if layout is CPLayout.ZIGZAG or stream_length is None else stream_length
+    ranks = geometry.cp_size * exchange
+    if ranks * tokens != total:
         raise ValueError(
-            f"local token count {tokens} does not match packed_seq_params: {padded_total} padded tokens "
-            f"over cp={cp} ranks; expected {padded_total / cp:g} per rank"
+            f"local token count {tokens} does not match packed_seq_params: {total} padded tokens "
+            f"over cp={ranks} ranks; expected {total / ranks:g} per rank"
         )
 
 
@@ -342,22 +405,40 @@ def _validate(
     k: Tensor,
     v: Tensor,
     cp: int,
+    exchange: int,
     params: PackedSeqParams | None,
     mode: str,
     backend: str,
     softmax_scale: float | None,
 ) -> ZigzagGeometry:
-    """Check everything before any collective; return the batch's zigzag geometry."""
-    check_attention_inputs(q, k, v, packed=params is not None, mode=mode, backend=backend, softmax_scale=softmax_scale)
+    """Check everything before any collective; return the batch's zigzag geometry (over ``cp`` zigzag ranks, each
+    shard shared by ``exchange`` ranks)."""
+    check_attention_inputs(
+        q, k, v, packed=params is not None, mode=mode, backend=backend, softmax_scale=softmax_scale,
+        head_exchange=cp if mode == AttentionMode.ULYSSES.value else exchange,
+    )  # fmt: skip
     if params is None:
-        return ZigzagGeometry.dense(cp, cp * q.shape[0])
-    return _packed_geometry(q.shape[0], cp, params)
+        if (q.shape[0] * exchange) % 2:
+            raise ValueError(f"dense q has S_local={q.shape[0]} tokens; a zigzag shard holds two equal chunks")
+        return ZigzagGeometry.dense(cp, cp * exchange * q.shape[0])
+    return _packed_geometry(q.shape[0] * exchange, cp, params)
 
 
 def check_attention_inputs(
-    q: Tensor, k: Tensor, v: Tensor, *, packed: bool, mode: str, backend: str, softmax_scale: float | None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    packed: bool,
+    mode: str,
+    backend: str,
+    softmax_scale: float | None,
+    head_exchange: int = 1,
 ) -> None:
-    """Check the options and the q/k/v shapes of one attention call (host-only; no metadata is read)."""
+    """Check the options and the q/k/v shapes of one attention call (host-only; no metadata is read).
+
+    ``head_exchange``: the ranks a head-parallel mode splits the heads over (their count must divide).
+    """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not supported; expected one of {MODES}")
     if backend not in BACKENDS:
@@ -365,8 +446,8 @@ def check_attention_inputs(
     if softmax_scale is not None and not softmax_scale > 0:
         raise ValueError(f"softmax_scale={softmax_scale!r}; expected a positive float or None")
     _check_shapes(q, k, v, packed=packed)
-    if not packed and q.shape[0] % 2:
-        raise ValueError(f"dense q has S_local={q.shape[0]} tokens; a zigzag shard holds two equal chunks")
+    if mode in (AttentionMode.ULYSSES.value, AttentionMode.HYBRID.value):
+        kv_replication(q.shape[-2], k.shape[-2], head_exchange, mode)
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor, packed: bool) -> None:
@@ -429,14 +510,15 @@ def _packed_geometry_of(cp: int, lengths: tuple[int, ...], padded: tuple[int, ..
 def _choose_kernel(backend: str, mode: str, q: Tensor) -> str:
     """Resolve ``backend`` to a kernel name, rejecting choices this input cannot use."""
     flash_ok = flash_attn_varlen_func() is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    flash_modes = (AttentionMode.ALLGATHER.value, AttentionMode.ULYSSES.value)
     if backend == "auto":
-        if flash_ok and mode == "allgather":
+        if flash_ok and mode in flash_modes:
             return "flash_attn"
         return "cpu_flash" if q.device.type == "cpu" else "math"
-    if backend == "flash_attn" and (not flash_ok or mode != "allgather"):
+    if backend == "flash_attn" and (not flash_ok or mode not in flash_modes):
         raise ValueError(
             f"backend='flash_attn' with mode={mode!r}, {q.dtype} on {q.device}; expected flash-attn installed, "
-            "CUDA float16/bfloat16 tensors and mode='allgather'"
+            "CUDA float16/bfloat16 tensors and mode='allgather' or 'ulysses'"
         )
     if backend == "cpu_flash" and q.device.type != "cpu":
         raise ValueError(f"backend='cpu_flash' with tensors on {q.device}; expected CPU tensors")
