@@ -38,7 +38,10 @@ def test_defaults_then_file_then_overrides(tmp_path) -> None:
         (["model.hidden_size=big"], r"model.hidden_size: got 'big'.*expected a value of type int"),
         (["model.tie_embeddings=perhaps"], r"model.tie_embeddings: got 'perhaps'.*type bool"),
         (["strategy.context_parallel_size=two"], r"strategy.context_parallel_size: got 'two'.*int or null"),
-        (["strategy.attention_mode=tree"], r"strategy.attention_mode: got 'tree'; expected one of allgather, ring"),
+        (
+            ["strategy.attention_mode=tree"],
+            r"strategy.attention_mode: got 'tree'; expected one of allgather, ring, ulysses, hybrid",
+        ),
         (["trainer.precision=64"], r"trainer.precision: got '64'; expected one of 64-true"),
         (["trainer.devices=3"], r"world size 3 .* not divisible by .* = 2"),
         (["trainer.devices=4", "strategy.tensor_parallel_size=3"], r"world size 4 .* = 6"),

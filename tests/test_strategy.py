@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy
 from lightning_cp.core.layout.api import CPLayout
 from tests.distributed_harness import run_on_ranks
+from tests.layout_reference import dense_positions, thd_positions
 from tests.model_helpers import (
     ATTENTION,
     HYBRID,
@@ -103,8 +104,22 @@ WORLD_2_RUNS = [
     FitRun("cp2-hybrid-packed-zigzag-boundary", HYBRID, "packed", {"boundary_layout": "zigzag"}),
     FitRun("cp2-hybrid-packed-checkpointed", HYBRID, "packed", {}, checkpoint_blocks=True),
     FitRun("cp2-hybrid-dense-attention-checkpointed", HYBRID, "dense", {}, checkpoint_attention=True),
+    FitRun("cp2-packed-ulysses", ATTENTION, "packed", {"attention_mode": "ulysses"}),
+    FitRun("cp2-hybrid-packed-ulysses", HYBRID, "packed", {"attention_mode": "ulysses"}),
+    FitRun(
+        "cp2-hybrid-dense-ulysses-zigzag-boundary",
+        HYBRID,
+        "dense",
+        {"attention_mode": "ulysses", "boundary_layout": "zigzag"},
+    ),
 ]
+HEAD_HYBRID = {"context_parallel_size": 4, "attention_mode": "hybrid", "ulysses_size": 2}
 WORLD_4_RUNS = [
+    FitRun("cp4-packed-hybrid-u2", ATTENTION, "packed", HEAD_HYBRID),
+    FitRun("cp4-hybrid-dense-hybrid-u2", HYBRID, "dense", HEAD_HYBRID),
+    FitRun(
+        "cp4-hybrid-packed-hybrid-u2-zigzag-boundary", HYBRID, "packed", {**HEAD_HYBRID, "boundary_layout": "zigzag"}
+    ),
     FitRun("cp4-dense-allgather", ATTENTION, "dense", {"context_parallel_size": 4}),
     FitRun("cp4-dense-ring", ATTENTION, "dense", {"context_parallel_size": 4, "attention_mode": "ring"}),
     FitRun("cp4-packed-allgather", ATTENTION, "packed", {"context_parallel_size": 4}),
@@ -140,10 +155,13 @@ def launch(world_size: int) -> list[list[dict[str, Any]]]:
     return run_on_ranks(fit_on_rank, world_size, world_size, runs, init_process_group=False, timeout=240)
 
 
-def expected_positions(batch: dict[str, torch.Tensor], cp: int, tp: int, cp_rank: int, layout: str) -> list[int]:
+def expected_positions(
+    batch: dict[str, torch.Tensor], cp: int, tp: int, cp_rank: int, layout: str, ulysses: int = 1
+) -> list[int]:
     """Return the first row's position ids a block on ``cp_rank`` sees in ``layout``, derived from the raw batch.
 
     The batch is padded to a multiple of cp x tp (packed) or 2 x cp x tp (dense); TP ranks share their CP shard.
+    Under ``hybrid`` (``ulysses > 1``) the zigzag layout spans cp / ulysses ring positions, each split over ulysses.
     """
     length = batch["input_ids"].shape[1]
     multiple = cp * tp if "cu_seqlens" in batch else 2 * cp * tp
@@ -152,6 +170,14 @@ def expected_positions(batch: dict[str, torch.Tensor], cp: int, tp: int, cp_rank
     positions = positions[0].tolist() + [0] * (padded - length)
     if layout == "contiguous":
         return positions[cp_rank * padded // cp : (cp_rank + 1) * padded // cp]
+    if ulysses > 1:
+        offsets = batch["cu_seqlens"].tolist() if "cu_seqlens" in batch else [0, length]
+        offsets[-1] = padded
+        if "cu_seqlens" in batch:
+            slots, _ = thd_positions(offsets, None, cp // ulysses, ulysses)
+        else:
+            slots = dense_positions("zigzag", cp // ulysses, ulysses, padded)
+        return [positions[source] if source >= 0 else 0 for source in slots[cp_rank]]
     offsets = batch["cu_seqlens"].tolist() if "cu_seqlens" in batch else [0, length]
     offsets[-1] = padded
     seen = []
@@ -168,15 +194,17 @@ def expected_layouts(kinds: tuple[str, ...], run: FitRun | None = None) -> list[
     """Return the layout each block runs in: zigzag for attention, contiguous for recurrent under ``POLICY``;
     the boundary layout for every block when the run wraps no layers."""
     names = {"attention": ("AttentionBlock", "zigzag"), "recurrent": ("RecurrentBlock", "contiguous")}
+    boundary = CPLayout.CONTIGUOUS.value if run is None else run.strategy.get("boundary_layout", "contiguous")
     if run is not None and run.policy == UNWRAPPED:
-        boundary = run.strategy.get("boundary_layout", CPLayout.CONTIGUOUS.value)
         return [(names[kind][0], boundary) for kind in kinds]
+    if run is not None and run.strategy.get("attention_mode") == "ulysses":  # attends in any layout
+        names["attention"] = ("AttentionBlock", boundary)
     return [names[kind] for kind in kinds]
 
 
-def layout_changes(kinds: tuple[str, ...], boundary: str) -> int:
+def layout_changes(kinds: tuple[str, ...], boundary: str, run: FitRun | None = None) -> int:
     """Count the layout changes along boundary, blocks, boundary."""
-    layouts = [boundary, *(layout for _, layout in expected_layouts(kinds)), boundary]
+    layouts = [boundary, *(layout for _, layout in expected_layouts(kinds, run)), boundary]
     return sum(before != after for before, after in zip(layouts, layouts[1:], strict=False))
 
 
@@ -232,11 +260,12 @@ def test_each_block_sees_its_layout_and_conversions_match_layout_changes(name: s
     index = (WORLD_2_RUNS if world_size == 2 else WORLD_4_RUNS).index(run)
     boundary = run.strategy.get("boundary_layout", CPLayout.CONTIGUOUS.value)
     _, cp, tp = expected_dims(world_size, run)
-    changes = 0 if run.policy == UNWRAPPED else layout_changes(run.kinds, boundary)
+    changes = 0 if run.policy == UNWRAPPED else layout_changes(run.kinds, boundary, run)
     for rank_results in launch(world_size):
         result = rank_results[index]
         assert [(name, layout) for name, layout, _ in result["layouts"]] == expected_layouts(run.kinds, run)
         first_batch = run.batches[result["indices"][0]]
         for _, layout, positions in result["layouts"]:
-            assert positions == expected_positions(first_batch, cp, tp, result["cp_rank"], layout)
+            ulysses = run.strategy.get("ulysses_size", 1)
+            assert positions == expected_positions(first_batch, cp, tp, result["cp_rank"], layout, ulysses)
         assert result["conversions"] == [changes] * STEPS

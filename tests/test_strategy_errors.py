@@ -45,7 +45,7 @@ BAD_ARGUMENTS = {
     ),
     "unknown attention mode": (
         {"attention_mode": "tree"},
-        "attention_mode='tree' is invalid: expected 'allgather' or 'ring'",
+        "attention_mode='tree' is invalid: expected one of 'allgather', 'ring', 'ulysses', 'hybrid'",
     ),
 }
 

@@ -79,11 +79,14 @@ def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...], mesh_dim_nam
     return _init_device_mesh(device_type, mesh_shape, mesh_dim_names=mesh_dim_names)
 
 
-def flattened_mesh_group(mesh: DeviceMesh, mesh_dim_names: tuple[str, ...]) -> ProcessGroup:
-    """Return the process group spanning ``mesh_dim_names`` of ``mesh`` together, in row-major order."""
+def flattened_mesh_group(
+    mesh: DeviceMesh, mesh_dim_names: tuple[str, ...], flattened_name: str | None = None
+) -> ProcessGroup:
+    """Return the process group spanning ``mesh_dim_names`` of ``mesh`` together, in row-major order (the flattened
+    dimension is reachable as ``mesh[flattened_name]``)."""
     if len(mesh_dim_names) == 1:
         return mesh.get_group(mesh_dim_names[0])
-    return mesh[mesh_dim_names]._flatten("_x_".join(mesh_dim_names)).get_group()
+    return mesh[mesh_dim_names]._flatten(flattened_name or "_x_".join(mesh_dim_names)).get_group()
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lightning_cp.core.attention.api import attend_on_shards, check_attention_inputs
+from lightning_cp.core.attention.api import AttentionMode, attend_on_shards, check_attention_inputs
 from lightning_cp.core.packed import host_offsets
 from lightning_cp.core.step import active_step
 from lightning_cp.core.zigzag import CPLayout
@@ -67,17 +67,24 @@ def cp_attention(
             f"length divisible by 2 x cp x tp or use packed batches"
         )
     layout = step.current_layout
-    if layout != CPLayout.ZIGZAG:
+    mode = step.attention_mode
+    head_exchange = mode == AttentionMode.ULYSSES.value  # attends in any layout: no conversion
+    if layout != CPLayout.ZIGZAG and not head_exchange:
         q, k, v = (step.convert(tensor, layout, CPLayout.ZIGZAG) for tensor in (q, k, v))
     packed = step.is_packed  # packed: [1, T, H, D] -> [T, H, D]; dense: [B, S, H, D] -> [S, B, H, D]
     q, k, v = (tensor[0] if packed else tensor.transpose(0, 1) for tensor in (q, k, v))
-    mode = step.attention_mode
-    check_attention_inputs(q, k, v, packed=packed, mode=mode, backend="auto", softmax_scale=softmax_scale)
+    mesh = step.setting.mesh
+    exchange = {AttentionMode.ULYSSES.value: mesh.cp_size, AttentionMode.HYBRID.value: mesh.dims.ulysses}.get(mode, 1)
+    check_attention_inputs(
+        q, k, v, packed=packed, mode=mode, backend="auto", softmax_scale=softmax_scale, head_exchange=exchange
+    )
     output = attend_on_shards(
-        q, k, v, step.cp_group, step.geometry, packed=packed, causal=causal, softmax_scale=softmax_scale,
-        mode=mode,
+        q, k, v, step.cp_group, step.geometry, packed=packed, causal=causal, softmax_scale=softmax_scale, mode=mode,
+        ulysses_group=mesh.ulysses_group, ring_group=mesh.ring_group,
+        layout=layout if head_exchange else CPLayout.ZIGZAG,
+        stream_length=step.stream_length if head_exchange else None,
     )  # fmt: skip
     output = output.unsqueeze(0) if packed else output.transpose(0, 1)
-    if layout != CPLayout.ZIGZAG:
+    if layout != CPLayout.ZIGZAG and not head_exchange:
         output = step.convert(output, CPLayout.ZIGZAG, layout)
     return output

@@ -10,16 +10,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_cp.core import comm
 
-MESH_DIM_NAMES = ("data_parallel", "context_parallel", "tensor_parallel")
-
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the three mesh dimensions; their product is the world size."""
+    """Sizes of the three mesh dimensions (their product is the world size) and the Ulysses part of CP (hybrid)."""
 
     data_parallel: int
     context_parallel: int
     tensor_parallel: int
+    ulysses: int = 1
 
     @property
     def world_size(self) -> int:
@@ -33,6 +32,7 @@ def resolve_parallel_dims(
     tensor_parallel_size: int = 1,
     data_parallel_size: int | Literal["auto"] = "auto",
     sequence_parallel: bool = False,
+    ulysses_size: int = 1,
 ) -> ParallelDims:
     """Check the sizes against the world size and resolve ``"auto"``; raise ``ValueError`` naming the numbers."""
     validate_parallel_sizes(context_parallel_size, tensor_parallel_size, data_parallel_size, sequence_parallel)
@@ -48,7 +48,12 @@ def resolve_parallel_dims(
             f"data_parallel_size={data_parallel_size} does not fit world size {world_size}: it must be world size / "
             f"(context_parallel_size x tensor_parallel_size) = {world_size} / {model_parallel} = {replicas}"
         )
-    return ParallelDims(replicas, context_parallel_size, tensor_parallel_size)
+    if ulysses_size > 1 and (context_parallel_size % ulysses_size or ulysses_size == context_parallel_size):
+        raise ValueError(
+            f"ulysses_size={ulysses_size} must divide context_parallel_size={context_parallel_size} and be smaller "
+            f"(hybrid needs ulysses_size x ring = cp with ring >= 2; use attention_mode='ulysses' for ulysses = cp)"
+        )
+    return ParallelDims(replicas, context_parallel_size, tensor_parallel_size, ulysses_size)
 
 
 def validate_parallel_sizes(
@@ -88,6 +93,8 @@ class ContextParallelMesh:
     tp_cp_group: ProcessGroup | None = None
     dp_group: ProcessGroup | None = None
     dp_cp_group: ProcessGroup | None = None
+    ulysses_group: ProcessGroup | None = None
+    ring_group: ProcessGroup | None = None
     cp_rank: int = 0
     tp_rank: int = 0
     dp_rank: int = 0
@@ -109,18 +116,29 @@ class ContextParallelMesh:
 
 
 def build_context_parallel_mesh(device_type: str, dims: ParallelDims) -> ContextParallelMesh:
-    """Build the mesh over the default group (global rank = (dp * cp + cp_rank) * tp + tp_rank) and its groups."""
-    shape = (dims.data_parallel, dims.context_parallel, dims.tensor_parallel)
-    device_mesh = comm.init_device_mesh(device_type, shape, MESH_DIM_NAMES)
+    """Build the mesh over the default group (global rank = (dp * cp + cp_rank) * tp + tp_rank) and its groups.
+
+    With ``dims.ulysses > 1`` the context dimension is built from two, ``context_parallel_ring`` (outer) and
+    ``context_parallel_ulysses`` (inner, so its ranks are neighbours, inside a node), flattened into
+    ``context_parallel``: CP rank = ring rank x ulysses + ulysses rank.
+    """
+    ring = dims.context_parallel // dims.ulysses
+    cp_dims = ("context_parallel",) if dims.ulysses == 1 else ("context_parallel_ring", "context_parallel_ulysses")
+    cp_shape = (dims.context_parallel,) if dims.ulysses == 1 else (ring, dims.ulysses)
+    names = ("data_parallel", *cp_dims, "tensor_parallel")
+    device_mesh = comm.init_device_mesh(device_type, (dims.data_parallel, *cp_shape, dims.tensor_parallel), names)
+    cp_group = comm.flattened_mesh_group(device_mesh, cp_dims, "context_parallel")
     return ContextParallelMesh(
         dims=dims,
         device_mesh=device_mesh,
-        cp_group=comm.flattened_mesh_group(device_mesh, ("context_parallel",)),
+        cp_group=cp_group,
         tp_group=comm.flattened_mesh_group(device_mesh, ("tensor_parallel",)),
-        tp_cp_group=comm.flattened_mesh_group(device_mesh, ("context_parallel", "tensor_parallel")),
+        tp_cp_group=comm.flattened_mesh_group(device_mesh, (*cp_dims, "tensor_parallel")),
         dp_group=comm.flattened_mesh_group(device_mesh, ("data_parallel",)),
-        dp_cp_group=comm.flattened_mesh_group(device_mesh, ("data_parallel", "context_parallel")),
-        cp_rank=device_mesh.get_local_rank("context_parallel"),
+        dp_cp_group=comm.flattened_mesh_group(device_mesh, ("data_parallel", *cp_dims)),
+        ulysses_group=None if dims.ulysses == 1 else device_mesh.get_group("context_parallel_ulysses"),
+        ring_group=None if dims.ulysses == 1 else device_mesh.get_group("context_parallel_ring"),
+        cp_rank=cp_group.rank(),
         tp_rank=device_mesh.get_local_rank("tensor_parallel"),
         dp_rank=device_mesh.get_local_rank("data_parallel"),
     )

@@ -136,14 +136,14 @@ class ContextParallelRuntime:
         self.unwrap()
         selected = select_layers(model, self.policy.zigzag_layers, self.policy.contiguous_layers)
         self.wrapped_layers = [wrapped for _, wrapped in selected]
-        for layer_index, (module, wrapped) in enumerate(selected):
+        layouts = tuple(self.setting.layer_layout(wrapped.layout) for wrapped in self.wrapped_layers)
+        for layer_index, ((module, _), layout) in enumerate(zip(selected, layouts, strict=True)):
             self._hook_handles.append(
-                module.register_forward_pre_hook(self._pre_hook(layer_index, wrapped.layout), with_kwargs=True)
+                module.register_forward_pre_hook(self._pre_hook(layer_index, layout), with_kwargs=True)
             )
-            self._hook_handles.append(module.register_forward_hook(self._post_hook(layer_index, wrapped.layout)))
+            self._hook_handles.append(module.register_forward_hook(self._post_hook(layer_index, layout)))
         self._wrapped_model = model
         if self.setting.mesh.cp_size > 1:
-            layouts = tuple(wrapped.layout for wrapped in self.wrapped_layers)
             self._manager = self.setting.layout_manager(layouts, seq_dim=SEQUENCE_DIM)
         return self.wrapped_layers
 

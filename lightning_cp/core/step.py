@@ -23,7 +23,8 @@ class ContextParallelSetting:
     """What every step of a run shares: the mesh (groups and sizes) and the options that choose among them.
 
     ``sequence_parallel``: the residual stream is also sharded over the TP ranks; ``boundary_layout``: the layout of
-    the residual stream outside the wrapped layers; ``attention_mode``: ``"allgather"`` or ``"ring"``.
+    the residual stream outside the wrapped layers; ``attention_mode``: ``"allgather"``, ``"ring"``, ``"ulysses"``
+    or ``"hybrid"`` (whose Ulysses part is the mesh's ``dims.ulysses``).
     """
 
     mesh: ContextParallelMesh = field(default_factory=ContextParallelMesh.single_process)
@@ -38,6 +39,21 @@ class ContextParallelSetting:
             expected = " or ".join(repr(mode) for mode in MODES)
             raise ValueError(f"attention_mode={self.attention_mode!r} is invalid: expected {expected}")
         object.__setattr__(self, "attention_mode", AttentionMode(self.attention_mode).value)
+        hybrid = self.attention_mode == AttentionMode.HYBRID.value
+        if hybrid != (self.mesh.dims.ulysses > 1):
+            raise ValueError(
+                f"attention_mode={self.attention_mode!r} with a Ulysses mesh part of {self.mesh.dims.ulysses}: "
+                "'hybrid' needs ulysses_size >= 2, the other modes take no ulysses_size"
+            )
+        if hybrid and self.sequence_parallel:
+            raise ValueError("attention_mode='hybrid' does not combine with sequence_parallel=True")
+
+    def layer_layout(self, declared: CPLayout) -> CPLayout:
+        """Return the layout a wrapped layer declared for attention runs in: ``ulysses`` attends in any layout, so its
+        attention layers keep the boundary layout and cost no conversion."""
+        if declared is CPLayout.ZIGZAG and self.attention_mode == AttentionMode.ULYSSES.value:
+            return self.boundary_layout
+        return declared
 
     @property
     def loss_group(self) -> ProcessGroup | None:
@@ -45,17 +61,29 @@ class ContextParallelSetting:
         return self.mesh.tp_cp_group if self.sequence_parallel else self.mesh.cp_group
 
     def layout_manager(self, layer_layouts: tuple[CPLayout, ...], seq_dim: int) -> ContextParallelLayoutManager:
-        """Return the layout manager of a stack of layers with these layouts, over this setting's groups."""
+        """Return the layout manager of a stack of layers with these layouts, over this setting's groups.
+
+        Under ``hybrid`` the zigzag layout spans the ring positions, each position's shard split over its Ulysses
+        ranks: the sequence-parallel zigzag layout of the ring group (as CP) and the Ulysses group (as TP).
+        """
         mesh = self.mesh
+        if self.attention_mode == AttentionMode.HYBRID.value:
+            groups = (True, mesh.ring_group, mesh.ulysses_group, mesh.cp_group)
+        else:
+            groups = (self.sequence_parallel, mesh.cp_group, mesh.tp_group, mesh.tp_cp_group)
+        sequence_parallel, cp_group, tp_group, tp_cp_group = groups
         return ContextParallelLayoutManager(
-            layer_layouts,
-            self.boundary_layout,
-            self.sequence_parallel,
-            mesh.cp_group,
-            mesh.tp_group,
-            mesh.tp_cp_group,
-            seq_dim=seq_dim,
+            layer_layouts, self.boundary_layout, sequence_parallel, cp_group, tp_group, tp_cp_group, seq_dim=seq_dim
         )
+
+    @property
+    def zigzag_ranks(self) -> tuple[int, int]:
+        """Return the ranks the zigzag layout spans and how many ranks split each of its shards (tp with SP, the
+        Ulysses part under ``hybrid``)."""
+        dims = self.mesh.dims
+        if self.attention_mode == AttentionMode.HYBRID.value:
+            return dims.context_parallel // dims.ulysses, dims.ulysses
+        return dims.context_parallel, dims.tensor_parallel if self.sequence_parallel else 1
 
 
 @dataclass(eq=False)
@@ -72,6 +100,7 @@ class ContextParallelStep:
     contiguous_packed_seq_params: PackedSeqParams | None = None
     layout_state: ContextParallelLayoutState | None = None
     geometry: ZigzagGeometry | None = None
+    stream_length: int = 0
     dense_padding: int = 0
     owner: Any = None
     layer_conversion_count: int = 0
@@ -206,6 +235,7 @@ def build_step(
     step = ContextParallelStep(
         setting,
         packed_seq_params,
+        stream_length=sharded.padded_sequence_length,
         dense_padding=0 if sharded.is_packed else sharded.padding_token_count,
         owner=owner,
     )
@@ -214,14 +244,14 @@ def build_step(
         return step
     if manager is None:
         manager = setting.layout_manager((), seq_dim=1)
+    zigzag_ranks, shard_split = setting.zigzag_ranks
     if packed_seq_params is None:
-        step.geometry = ZigzagGeometry.dense(mesh.cp_size, sharded.padded_sequence_length)
+        step.geometry = ZigzagGeometry.dense(zigzag_ranks, sharded.padded_sequence_length)
     else:
         actual, physical = host_copies(sharded.cu_seqlens, sharded.cu_seqlens_padded)
         lengths = check_offsets("cu_seqlens", actual)
-        tp = mesh.tp_size if setting.sequence_parallel else 1
-        padded = zigzag_padded_lengths(check_offsets("cu_seqlens_padded", physical), mesh.cp_size, tp)
-        step.geometry = ZigzagGeometry.packed(mesh.cp_size, lengths.tolist(), padded.tolist())
+        padded = zigzag_padded_lengths(check_offsets("cu_seqlens_padded", physical), zigzag_ranks, shard_split)
+        step.geometry = ZigzagGeometry.packed(zigzag_ranks, lengths.tolist(), padded.tolist())
     step.layout_state = manager.build_conversion_state(packed_seq_params)
     return step
 
@@ -233,12 +263,13 @@ def step_metrics(step: ContextParallelStep, sharded: ShardedBatch) -> Mapping[st
         slots = sum(step.geometry.padded_lengths)
     else:
         slots = batch_size * sharded.padded_sequence_length
-    if step.geometry is None:
-        imbalance = 1.0
+    if step.geometry is None or step.attention_mode == AttentionMode.ULYSSES.value:
+        imbalance = 1.0  # one rank, or every rank attends the whole sequence for an equal share of the heads
     elif sharded.is_packed:
         imbalance = step.geometry.imbalance(causal=True)
     else:
-        real = ZigzagGeometry.dense(step.cp_size, sharded.sequence_length, sharded.padded_sequence_length)
+        zigzag_ranks = step.geometry.cp_size
+        real = ZigzagGeometry.dense(zigzag_ranks, sharded.sequence_length, sharded.padded_sequence_length)
         imbalance = real.imbalance(causal=True)
     return {
         "tokens": float(sharded.real_token_count),

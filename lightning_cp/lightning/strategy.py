@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_cp.core import comm
-from lightning_cp.core.attention.api import MODES
+from lightning_cp.core.attention.api import MODES, AttentionMode
 from lightning_cp.core.mesh import (
     ContextParallelMesh,
     build_context_parallel_mesh,
@@ -42,7 +42,10 @@ class CPZigzagStrategy(DDPStrategy):
         data_parallel_size: replicas; ``"auto"`` = world size / (cp x tp).
         sequence_parallel: the residual stream is also sharded over the TP ranks (needs tp > 1).
         boundary_layout: layout of the residual stream outside the wrapped layers, ``"contiguous"`` or ``"zigzag"``.
-        attention_mode: ``"allgather"`` (all-gather K/V) or ``"ring"`` (pass K/V blocks around the CP ring).
+        attention_mode: ``"allgather"`` (all-gather K/V), ``"ring"`` (pass K/V blocks around the CP ring),
+            ``"ulysses"`` (exchange heads for the sequence; the heads must divide by cp) or ``"hybrid"`` (Ulysses
+            within groups of ``ulysses_size`` neighbouring ranks, ring attention across the groups).
+        ulysses_size: the Ulysses part of CP under ``"hybrid"`` (it divides cp and is smaller).
         **kwargs: the usual ``DDPStrategy`` options (``process_group_backend``, ``timeout``, ``start_method``) and
             keyword arguments of ``DistributedDataParallel`` (``find_unused_parameters``, ``static_graph``, ...).
 
@@ -62,7 +65,8 @@ class CPZigzagStrategy(DDPStrategy):
         data_parallel_size: int | Literal["auto"] = "auto",
         sequence_parallel: bool = False,
         boundary_layout: Literal["contiguous", "zigzag"] = "contiguous",
-        attention_mode: Literal["allgather", "ring"] = "allgather",
+        attention_mode: Literal["allgather", "ring", "ulysses", "hybrid"] = "allgather",
+        ulysses_size: int | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -77,7 +81,17 @@ class CPZigzagStrategy(DDPStrategy):
         if boundary_layout not in LAYOUT_NAMES:
             raise ValueError(f"boundary_layout={boundary_layout!r} is invalid: expected 'contiguous' or 'zigzag'")
         if attention_mode not in MODES:
-            raise ValueError(f"attention_mode={attention_mode!r} is invalid: expected 'allgather' or 'ring'")
+            expected = ", ".join(repr(mode) for mode in MODES)
+            raise ValueError(f"attention_mode={attention_mode!r} is invalid: expected one of {expected}")
+        hybrid = attention_mode == AttentionMode.HYBRID.value
+        bad_size = isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 2
+        if hybrid != (ulysses_size is not None) or (ulysses_size is not None and bad_size):
+            raise ValueError(
+                f"attention_mode={attention_mode!r} with ulysses_size={ulysses_size!r}: 'hybrid' needs an integer "
+                "ulysses_size >= 2, the other modes take none"
+            )
+        if hybrid and sequence_parallel:
+            raise ValueError("attention_mode='hybrid' does not combine with sequence_parallel=True")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -95,6 +109,7 @@ class CPZigzagStrategy(DDPStrategy):
         self.sequence_parallel = sequence_parallel
         self.boundary_layout = boundary_layout
         self.attention_mode = attention_mode
+        self.ulysses_size = ulysses_size
         self._cp_setting: ContextParallelSetting | None = None
         self._localized_parameters: dtensor_params.LocalizedTensorParallelParameters | None = None
 
@@ -145,6 +160,7 @@ class CPZigzagStrategy(DDPStrategy):
             self.tensor_parallel_size,
             self.data_parallel_size,
             self.sequence_parallel,
+            self.ulysses_size or 1,
         )
         super().setup_environment()
         mesh = build_context_parallel_mesh(self.root_device.type, dims)

@@ -89,6 +89,7 @@ class StrategyConfig:
     sequence_parallel: bool = False
     boundary_layout: BoundaryLayout = BoundaryLayout["contiguous"]
     attention_mode: AttentionMode = AttentionMode["allgather"]
+    ulysses_size: int | None = None
     process_group_backend: ProcessGroupBackend | None = None
 
 
