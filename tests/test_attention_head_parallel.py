@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_cp.attention import zigzag_attention
+from lightning_cp.attention import attention_work_per_rank, zigzag_attention
 from lightning_cp.packed import PackedSeqParams
 from tests.attention_helpers import Case, compare_slots, reference_attention, shard_slots
 from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
@@ -140,3 +140,13 @@ def _hybrid_without_groups() -> None:
 
 def test_hybrid_without_its_groups_fails_the_same_way_on_every_rank():
     assert_same_error_on_every_rank(_hybrid_without_groups, 2, match="needs ulysses_group and ring_group", timeout=60)
+
+
+def test_work_per_rank_covers_the_head_parallel_modes():
+    total = 32 * 33 // 2
+    assert sum(attention_work_per_rank(4, seq_len=32)) == total
+    assert attention_work_per_rank(4, seq_len=32, mode="ulysses") == [total / 4] * 4
+    ring = attention_work_per_rank(2, seq_len=32)
+    assert (
+        attention_work_per_rank(4, seq_len=32, mode="hybrid", ulysses_size=2) == [ring[0] / 2] * 2 + [ring[1] / 2] * 2
+    )

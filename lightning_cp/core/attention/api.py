@@ -66,11 +66,15 @@ def attention_work_per_rank(
     cu_seqlens: Sequence[int] | Tensor | None = None,
     causal: bool = True,
     layout: str = "zigzag",
-) -> list[int]:
+    mode: str = "allgather",
+    ulysses_size: int | None = None,
+) -> list[float]:
     """Count the unmasked query-key pairs each CP rank computes (padding excluded), to measure load balance.
 
     ``seq_len`` describes one dense sequence, ``cu_seqlens`` a packed batch; ``layout`` is ``"zigzag"`` (each
-    sequence padded to a multiple of ``2*cp``) or ``"contiguous"`` (the token stream split evenly).
+    sequence padded to a multiple of ``2*cp``) or ``"contiguous"`` (the token stream split evenly). Head-parallel
+    modes count pairs times the rank's share of the heads: ``ulysses`` attends the whole sequence for ``1/cp`` of
+    them, ``hybrid`` its ring position's zigzag shard for ``1/ulysses_size`` of them.
     """
     if not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size={cp_size!r}; expected a positive int")
@@ -78,13 +82,20 @@ def attention_work_per_rank(
         raise ValueError(f"seq_len={seq_len!r}, cu_seqlens={cu_seqlens!r}; expected exactly one of them")
     if layout not in LAYOUT_NAMES:
         raise ValueError(f"layout={layout!r}; expected 'zigzag' or 'contiguous'")
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not supported; expected one of {MODES}")
+    ulysses = {AttentionMode.ULYSSES.value: cp_size, AttentionMode.HYBRID.value: ulysses_size or 1}.get(mode, 1)
+    if cp_size % ulysses:
+        raise ValueError(f"ulysses_size={ulysses_size} does not divide cp_size={cp_size}")
+    ranks = cp_size // ulysses
     if seq_len is not None:
         if seq_len < 0:
             raise ValueError(f"seq_len={seq_len}; expected a non-negative int")
-        geometry = ZigzagGeometry.dense(cp_size, int(seq_len))
+        geometry = ZigzagGeometry.dense(ranks, int(seq_len))
     else:
-        geometry = ZigzagGeometry.packed(cp_size, check_offsets("cu_seqlens", cu_seqlens).tolist())
-    return geometry.work_per_rank(causal, layout)
+        geometry = ZigzagGeometry.packed(ranks, check_offsets("cu_seqlens", cu_seqlens).tolist())
+    work = geometry.work_per_rank(causal, layout)
+    return [pairs / ulysses for pairs in work for _ in range(ulysses)]
 
 
 def zigzag_attention(
