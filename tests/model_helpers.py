@@ -6,6 +6,7 @@ labels shifted per document, positions and attention masks are computed here fro
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -116,7 +117,7 @@ class TinyTransformer(pl.LightningModule):
     """Embedding, blocks by ``kinds`` (``"attention"``/``"recurrent"``), a head; SGD on ``cp_cross_entropy``.
 
     ``checkpoint_blocks`` recomputes whole blocks in backward, ``checkpoint_attention`` only the attention inside each
-    attention block; both with plain ``torch.utils.checkpoint`` and no CP-specific code.
+    attention block (``reentrant``: the reentrant variant for blocks); plain ``torch.utils.checkpoint``, no CP code.
     """
 
     def __init__(
@@ -125,6 +126,7 @@ class TinyTransformer(pl.LightningModule):
         checkpoint_blocks: bool = False,
         tensor_parallel: bool = False,
         checkpoint_attention: bool = False,
+        reentrant: bool = False,
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -135,6 +137,7 @@ class TinyTransformer(pl.LightningModule):
         self.double()
         self.checkpoint_blocks = checkpoint_blocks
         self.checkpoint_attention = checkpoint_attention
+        self.reentrant = reentrant
         self.tensor_parallel = tensor_parallel
         self.attention_fn: AttentionFn = cp_attention
         self.train_losses: list[float] = []
@@ -163,7 +166,11 @@ class TinyTransformer(pl.LightningModule):
         h = self.embed(input_ids)
         for block in self.blocks:
             if self.checkpoint_blocks and torch.is_grad_enabled():
-                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False, position_ids=position_ids)
+                if self.reentrant:
+                    layer = functools.partial(block, position_ids=position_ids)
+                    h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=True)
+                else:
+                    h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False, position_ids=position_ids)
             else:
                 h = block(h, position_ids=position_ids)
         return self.head(h)

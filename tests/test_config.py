@@ -8,7 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from lightning_cp.train.cli import main
-from lightning_cp.train.config import Config, ConfigError, load_config, packaged_configs
+from lightning_cp.train.config import Config, ConfigError, load_config, packaged_configs, plain
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGED = packaged_configs()
@@ -94,3 +94,11 @@ def test_cli_bad_config_is_one_line_and_exit_code_2(capsys) -> None:
     assert main(["fit", "model.hiden_size=3"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("lightning-cp: error: unknown key 'model.hiden_size'")
+
+
+def test_a_choice_given_as_a_number_finds_its_spelling(tmp_path) -> None:
+    """``trainer.precision: 32`` in YAML (an int) and ``=32`` on the command line both mean the choice "32"."""
+    path = tmp_path / "precision.yaml"
+    path.write_text("trainer:\n  precision: 32\n")
+    assert plain(load_config(str(path)).trainer)["precision"] == "32"
+    assert plain(load_config(None, ["trainer.precision=32"]).trainer)["precision"] == "32"

@@ -6,10 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lightning_cp import layout
 from lightning_cp.packed import PackedSeqParams
+from tests.layout_reference import take, thd_positions
 
 HYBRID_WALK = ("zigzag", "zigzag", "contiguous", "contiguous", "zigzag")
 
@@ -23,24 +23,26 @@ def _offsets(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32)
 
 
-def test_no_process_group_is_started_here():
-    assert not dist.is_initialized()
-
-
 @pytest.mark.parametrize("cp", [2, 3, 8])
-def test_plans_build_from_stand_in_groups_like_the_pure_builders(cp: int):
-    cu_seqlens = _offsets([0, 3, 10, 16, 40])
-    for rank in range(cp):
-        total = 40 if 40 % cp == 0 else 48
-        cu = cu_seqlens if total == 40 else _offsets([0, 3, 10, 16, 48])
-        plan = layout.build_thd_cp_layout_plan(cu, total, stand_in_group(cp, rank))
-        indices, offsets = layout._build_thd_rank_order_indices(cu, None, cp, 1, total)
-        pure = layout._build_thd_cp_layout_plan_from_rank_order_indices(indices, total, offsets, cp, rank)
-        for name in ("forward_send_indices", "forward_receive_positions", "reverse_send_indices",
-                     "reverse_receive_indices", "cu_seqlens_padded"):  # fmt: skip
-            assert torch.equal(getattr(plan, name), getattr(pure, name)), name
-        assert plan.forward_input_split_sizes == pure.forward_input_split_sizes
-        assert plan.forward_output_split_sizes == pure.forward_output_split_sizes
+def test_plans_from_stand_in_groups_replay_to_the_reference_layout(cp: int):
+    """Every rank's plan, built with a stand-in group and no process, moves the stream to the plain reference's
+    zigzag slots when its fields are replayed through an emulated all-to-all, and back."""
+    total = 48
+    cu = [0, 3, 10, 16, total]
+    positions, offsets = thd_positions(cu, None, cp, 1)
+    plans = [layout.build_thd_cp_layout_plan(_offsets(cu), total, stand_in_group(cp, rank)) for rank in range(cp)]
+    stream = torch.arange(1.0, total + 1).unsqueeze(1)
+    shard = total // cp
+    sent = [stream[r * shard : (r + 1) * shard].index_select(0, p.forward_send_indices) for r, p in enumerate(plans)]
+    parts = [list(buffer.split(list(p.forward_input_split_sizes))) for buffer, p in zip(sent, plans, strict=True)]
+    for rank, plan in enumerate(plans):
+        assert plan.cu_seqlens_padded.tolist() == offsets and plan.pad_between_seqs == (offsets != cu)
+        assert plan.max_seqlen_padded == max(b - a for a, b in zip(offsets, offsets[1:], strict=False))
+        received = torch.cat([parts[source][rank] for source in range(cp)])
+        zigzag = torch.zeros(plan.zigzag_local_token_count, 1).index_copy_(0, plan.forward_receive_positions, received)
+        assert torch.equal(zigzag, take(stream, positions[rank]))
+        back = [zigzag.index_select(0, plan.reverse_send_indices).split(list(plan.forward_output_split_sizes))]
+        assert sum(len(part) for part in back[0]) == sum(p >= 0 for p in positions[rank])
 
 
 def test_manager_and_dense_state_take_stand_in_groups():

@@ -15,12 +15,27 @@ from tests.model_helpers import HYBRID, LEARNING_RATE, POLICY, TinyTransformer, 
 STEPS = 3
 
 
+class _InPlaceResidual(TinyTransformer):
+    """Changes every block's output in place (a no-op in value), as residual code sometimes does."""
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = block(h, position_ids=position_ids)
+            h.mul_(1.0)
+        return self.head(h)
+
+
 def _plain_loop(cp: int, checkpoint: str) -> dict[str, object]:
     """Train a few SGD steps by hand; the loss's backward runs after the step block has deactivated the step."""
     torch.set_num_threads(1)
     mesh = build_context_parallel_mesh("cpu", ParallelDims(1, cp, 1))
-    model = TinyTransformer(
-        HYBRID, checkpoint_blocks=checkpoint == "blocks", checkpoint_attention=checkpoint == "attention"
+    model_type = _InPlaceResidual if checkpoint == "in-place" else TinyTransformer
+    model = model_type(
+        HYBRID,
+        checkpoint_blocks=checkpoint.startswith("blocks"),
+        checkpoint_attention=checkpoint == "attention",
+        reentrant=checkpoint == "blocks-reentrant",
     )
     runtime = ContextParallelRuntime(
         ContextParallelSetting(mesh), LayerPolicy(**{k: tuple(v) for k, v in POLICY.items()})
@@ -44,11 +59,12 @@ def _plain_loop(cp: int, checkpoint: str) -> dict[str, object]:
     return {"losses": losses, "weights": weights, "left_active": left_active}
 
 
-@pytest.mark.parametrize("checkpoint", ["none", "blocks", "attention"])
+@pytest.mark.parametrize("checkpoint", ["none", "blocks", "attention", "blocks-reentrant", "in-place"])
 def test_plain_loop_matches_one_process_with_any_recomputation(checkpoint: str) -> None:
     """Hybrid stack at cp=2 (zigzag and contiguous blocks, contiguous boundary): losses and weights equal a
-    single-process run (float64, relative 1e-9) whether whole blocks, only the attention inside them, or nothing is
-    recomputed in backward; no step state is left active after a backward."""
+    single-process run (float64, relative 1e-9) whether whole blocks (reentrant or not), only the attention inside
+    them, or nothing is recomputed in backward, also when block outputs are changed in place; no step state is left
+    active after a backward."""
     results = run_on_ranks(_plain_loop, 2, 2, checkpoint, timeout=120)
     reference_losses, reference_weights = reference_run(
         HYBRID, packed_batches(STEPS), [[index] for index in range(STEPS)]

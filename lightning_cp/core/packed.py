@@ -40,10 +40,13 @@ def _cached(tensor: torch.Tensor) -> tuple[torch.Tensor, list[int] | None] | Non
     return None
 
 
-def _remember(tensor: torch.Tensor, host: torch.Tensor, values: list[int] | None) -> None:
-    """Remember ``tensor``'s host copy (and its values as a list), forgetting everything when the cache is full."""
+def remember_host_copy(tensor: torch.Tensor, host: torch.Tensor, values: list[int] | None = None) -> None:
+    """Remember ``tensor``'s host copy (and its values as a list); a full cache first forgets dead tensors, then all."""
     if len(_HOST_COPIES) >= _HOST_COPIES_LIMIT:
-        _HOST_COPIES.clear()
+        for key in [key for key, entry in _HOST_COPIES.items() if entry[0]() is None]:
+            del _HOST_COPIES[key]
+        if len(_HOST_COPIES) >= _HOST_COPIES_LIMIT:
+            _HOST_COPIES.clear()
     _HOST_COPIES[id(tensor)] = (weakref.ref(tensor), tensor._version, host, values)
 
 
@@ -54,12 +57,22 @@ def host_copies(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
     accelerator, read by the layout plan, the attention and the metrics of a batch, cost one host synchronisation per
     batch. Host tensors are returned as they are.
     """
-    missing = [t for t in tensors if t is not None and t.device.type != "cpu" and _cached(t) is None]
+    copies: dict[int, torch.Tensor] = {}
+    missing = []
+    for tensor in tensors:
+        if tensor is None or tensor.device.type == "cpu":
+            continue
+        cached = _cached(tensor)
+        if cached is None:
+            missing.append(tensor)
+        else:
+            copies[id(tensor)] = cached[0]
     if missing:
         host = torch.cat([t.reshape(-1) for t in missing]).cpu().split([t.numel() for t in missing])
         for tensor, copy in zip(missing, host, strict=True):
-            _remember(tensor, copy.view(tensor.shape), None)
-    return [t if t is None or t.device.type == "cpu" else _cached(t)[0] for t in tensors]
+            copies[id(tensor)] = copy.view(tensor.shape)
+            remember_host_copy(tensor, copies[id(tensor)])
+    return [t if t is None or t.device.type == "cpu" else copies[id(t)] for t in tensors]
 
 
 def host_offsets(offsets: torch.Tensor) -> list[int]:
@@ -69,7 +82,7 @@ def host_offsets(offsets: torch.Tensor) -> list[int]:
         return cached[1]
     host = host_copies(offsets)[0]
     values = host.tolist()
-    _remember(offsets, host, values)
+    remember_host_copy(offsets, host, values)
     return values
 
 
@@ -77,5 +90,5 @@ def to_device_with_host_copy(host: torch.Tensor, device: torch.device) -> torch.
     """Move host metadata to ``device`` and remember the host copy, so reading it back later costs no transfer."""
     moved = host.to(device)
     if moved is not host:
-        _remember(moved, host, None)
+        remember_host_copy(moved, host)
     return moved

@@ -2,11 +2,13 @@
 
 ``ContextParallelRuntime`` wraps the layers a ``LayerPolicy`` names with forward hooks (the state dict is
 unchanged), and per batch shards it in place and activates its step state. Lightning uses it through
-``ContextParallelLayoutCallback``; a plain loop calls ``with runtime.step(batch): loss.backward()`` itself.
+``ContextParallelLayoutCallback``; a plain loop uses ``with runtime.step(batch): ...`` around the forward (the
+backward may run inside or after it).
 
-Recomputation (activation checkpointing of whole layers or of parts of them) needs no model code: each wrapped
-layer's output carries a marker whose backward re-activates the step and the layer's layout before autograd reaches
-the layer, and its input carries one whose backward restores them afterwards.
+Recomputation (activation checkpointing of whole layers or of parts of them) needs no model code: a gradient hook on
+each wrapped layer's output re-activates the step and the layer's layout before autograd reaches the layer, and one on
+its input restores them afterwards; a layer recomputed in backward without them (reentrant checkpointing) finds the
+runtime's latest step.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from lightning_cp.core.step import (
     ContextParallelStep,
     active_step,
     build_step,
+    in_backward,
     set_active_step,
 )
 from lightning_cp.core.zigzag import CPLayout
@@ -85,34 +88,6 @@ def select_layers(
     return selected
 
 
-class _LayerExitMarker(torch.autograd.Function):
-    """Identity on a wrapped layer's output; its backward makes the step and the layer's layout current again."""
-
-    @staticmethod
-    def forward(ctx, hidden_states, step, layout):  # type: ignore[override]
-        ctx.step, ctx.layout = step, layout
-        return hidden_states.view_as(hidden_states)
-
-    @staticmethod
-    def backward(ctx, grad_output):  # type: ignore[override]
-        ctx.step.resume_in_backward(ctx.layout)
-        return grad_output, None, None
-
-
-class _LayerEntryMarker(torch.autograd.Function):
-    """Identity on a wrapped layer's input; its backward restores what ``_LayerExitMarker`` changed."""
-
-    @staticmethod
-    def forward(ctx, hidden_states, step):  # type: ignore[override]
-        ctx.step = step
-        return hidden_states.view_as(hidden_states)
-
-    @staticmethod
-    def backward(ctx, grad_output):  # type: ignore[override]
-        ctx.step.leave_in_backward()
-        return grad_output, None
-
-
 class ContextParallelRuntime:
     """Shard every replica batch over the CP ranks and run the policy's layers in the layouts they need.
 
@@ -128,6 +103,7 @@ class ContextParallelRuntime:
         self._wrapped_model: nn.Module | None = None
         self._hook_handles: list[RemovableHandle] = []
         self._manager: ContextParallelLayoutManager | None = None
+        self._latest_step: ContextParallelStep | None = None
 
     def wrap(self, model: nn.Module) -> list[WrappedLayer]:
         """Install the forward hooks on the policy's layers of ``model`` (once per model) and return them."""
@@ -170,11 +146,14 @@ class ContextParallelRuntime:
         step = build_step(self.setting, sharded, self._manager, owner=self)
         batch.update(self._batch_fields(step, sharded))
         set_active_step(step)
+        self._latest_step = step
         return step, sharded
 
     def end_step(self) -> None:
-        """Deactivate the step state (after its backward)."""
-        set_active_step(None)
+        """Deactivate this runtime's step (another runtime's active step is left alone)."""
+        step = active_step()
+        if step is not None and step.owner is self:
+            set_active_step(None)
 
     @contextmanager
     def step(self, batch: MutableMapping[str, Any]) -> Iterator[ContextParallelStep]:
@@ -198,9 +177,18 @@ class ContextParallelRuntime:
         return {**fields, "labels": labels, "loss_token_count": sharded.loss_token_count}
 
     def _own_step(self) -> ContextParallelStep | None:
-        """Return the active step when this runtime began it."""
+        """Return the active step when this runtime began it.
+
+        In a backward pass with no step active (a layer recomputed by reentrant checkpointing after the step ended),
+        its latest step is made active for that layer.
+        """
         step = active_step()
-        return step if step is not None and step.owner is self else None
+        if step is not None and step.owner is self:
+            return step
+        if step is None and in_backward() and self._latest_step is not None:
+            self._latest_step.resume_in_backward(None, None)
+            return self._latest_step
+        return None
 
     def _pre_hook(self, layer_index: int, layout: CPLayout) -> Any:
         """Return the hook converting a layer's residual input and side inputs to ``layout``."""
@@ -213,8 +201,8 @@ class ContextParallelRuntime:
             if step is None:
                 return None
             hidden_states = args[0]
-            if hidden_states.requires_grad:  # only a marked entry can close what the exit marker opens in backward
-                hidden_states = _LayerEntryMarker.apply(hidden_states, step)
+            if hidden_states.requires_grad and not in_backward():  # only a marked entry can close the exit's resume
+                hidden_states.register_hook(lambda grad: step.leave_in_backward(layer_index))
                 step.marked_layers.add(layer_index)
             hidden_states = step.enter_layer(layer_index, layout, hidden_states)
             converted = {
@@ -235,8 +223,9 @@ class ContextParallelRuntime:
                 return None
             hidden_states = output[0] if isinstance(output, tuple) else output
             hidden_states = step.exit_layer(layer_index, hidden_states)
-            if layer_index in step.marked_layers and hidden_states.requires_grad:
-                hidden_states = _LayerExitMarker.apply(hidden_states, step, layout)
+            step.leave_in_backward(None)  # only when the pre-hook re-activated the step for a recomputation
+            if layer_index in step.marked_layers and hidden_states.requires_grad and not in_backward():
+                hidden_states.register_hook(lambda grad: step.resume_in_backward(layer_index, layout))
             return (hidden_states, *output[1:]) if isinstance(output, tuple) else hidden_states
 
         return convert_output

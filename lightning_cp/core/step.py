@@ -107,6 +107,7 @@ class ContextParallelStep:
     recomputing: bool = False
     marked_layers: set[int] = field(default_factory=set)
     _current_layout: CPLayout | None = None
+    _backward_layer: int | None = None
     _active_before_backward: ContextParallelStep | None = None
     _side_input_cache: dict[tuple[int, CPLayout], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -155,7 +156,7 @@ class ContextParallelStep:
         converted = hidden_states
         if self.layout_state is not None:
             converted, _ = self.layout_state.prepare_layer(layer_index, hidden_states)
-        self.layer_conversion_count += converted is not hidden_states and not self.recomputing
+        self.layer_conversion_count += converted is not hidden_states and not (self.recomputing or in_backward())
         self._current_layout = layout
         return converted
 
@@ -165,25 +166,30 @@ class ContextParallelStep:
         if self.layout_state is None:
             return hidden_states
         restored = self.layout_state.finalize_layer(layer_index, hidden_states)
-        self.layer_conversion_count += restored is not hidden_states and not self.recomputing
+        self.layer_conversion_count += restored is not hidden_states and not (self.recomputing or in_backward())
         return restored
 
-    def resume_in_backward(self, layout: CPLayout) -> None:
-        """Make this step and ``layout`` current while autograd runs back through a wrapped layer.
+    def resume_in_backward(self, layer_index: int | None, layout: CPLayout | None) -> None:
+        """Make this step and layer ``layer_index``'s layout current while autograd runs back through that layer.
 
         Whatever the layer recomputes there (activation checkpointing) sees its forward's state; conversions it
-        repeats are not counted.
+        repeats are not counted. ``layer_index`` ``None``: for one whole recomputed layer, whose hooks set the layout.
         """
-        self._active_before_backward = active_step()
+        if not self.recomputing:
+            self._active_before_backward = active_step()
         set_active_step(self)
         self.recomputing = True
+        self._backward_layer = layer_index
         self._current_layout = layout
 
-    def leave_in_backward(self) -> None:
-        """Undo ``resume_in_backward`` once autograd has passed the wrapped layer's input."""
-        self._current_layout = None
+    def leave_in_backward(self, layer_index: int | None) -> None:
+        """Undo ``resume_in_backward`` once autograd has passed layer ``layer_index``'s input (if it is current)."""
+        if self._backward_layer != layer_index or not self.recomputing:
+            return
+        self._current_layout = self._backward_layer = None
         self.recomputing = False
         set_active_step(self._active_before_backward)
+        self._active_before_backward = None
 
     def convert(self, tensor: torch.Tensor, source: CPLayout, target: CPLayout) -> torch.Tensor:
         """Convert a batch-first per-token tensor between layouts with this step's plan."""
@@ -276,6 +282,11 @@ def step_metrics(step: ContextParallelStep, sharded: ShardedBatch) -> Mapping[st
         "padding_fraction": 1.0 - sharded.real_token_count / max(slots, 1),
         "attention_imbalance": imbalance,
     }
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass now (reentrant checkpointing recomputes there)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 _active_step: ContextParallelStep | None = None

@@ -16,11 +16,13 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_cp.core import comm
 from lightning_cp.core.attention.api import MODES, AttentionMode
+from lightning_cp.core.attention.cost import choose_attention_mode, model_head_counts
 from lightning_cp.core.mesh import (
     ContextParallelMesh,
     build_context_parallel_mesh,
@@ -43,8 +45,9 @@ class CPZigzagStrategy(DDPStrategy):
         sequence_parallel: the residual stream is also sharded over the TP ranks (needs tp > 1).
         boundary_layout: layout of the residual stream outside the wrapped layers, ``"contiguous"`` or ``"zigzag"``.
         attention_mode: ``"allgather"`` (all-gather K/V), ``"ring"`` (pass K/V blocks around the CP ring),
-            ``"ulysses"`` (exchange heads for the sequence; the heads must divide by cp) or ``"hybrid"`` (Ulysses
-            within groups of ``ulysses_size`` neighbouring ranks, ring attention across the groups).
+            ``"ulysses"`` (exchange heads for the sequence; the heads must divide by cp), ``"hybrid"`` (Ulysses
+            within groups of ``ulysses_size`` neighbouring ranks, ring attention across the groups) or ``"auto"``
+            (the mode that sends the fewest bytes for the model's head counts, chosen when processes start).
         ulysses_size: the Ulysses part of CP under ``"hybrid"`` (it divides cp and is smaller).
         **kwargs: the usual ``DDPStrategy`` options (``process_group_backend``, ``timeout``, ``start_method``) and
             keyword arguments of ``DistributedDataParallel`` (``find_unused_parameters``, ``static_graph``, ...).
@@ -65,7 +68,7 @@ class CPZigzagStrategy(DDPStrategy):
         data_parallel_size: int | Literal["auto"] = "auto",
         sequence_parallel: bool = False,
         boundary_layout: Literal["contiguous", "zigzag"] = "contiguous",
-        attention_mode: Literal["allgather", "ring", "ulysses", "hybrid"] = "allgather",
+        attention_mode: Literal["allgather", "ring", "ulysses", "hybrid", "auto"] = "allgather",
         ulysses_size: int | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -80,12 +83,13 @@ class CPZigzagStrategy(DDPStrategy):
         validate_parallel_sizes(context_parallel_size, tensor_parallel_size, data_parallel_size, sequence_parallel)
         if boundary_layout not in LAYOUT_NAMES:
             raise ValueError(f"boundary_layout={boundary_layout!r} is invalid: expected 'contiguous' or 'zigzag'")
-        if attention_mode not in MODES:
-            expected = ", ".join(repr(mode) for mode in MODES)
+        if attention_mode not in (*MODES, "auto"):
+            expected = ", ".join(repr(mode) for mode in (*MODES, "auto"))
             raise ValueError(f"attention_mode={attention_mode!r} is invalid: expected one of {expected}")
         hybrid = attention_mode == AttentionMode.HYBRID.value
         bad_size = isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 2
-        if hybrid != (ulysses_size is not None) or (ulysses_size is not None and bad_size):
+        mismatch = hybrid != (ulysses_size is not None) and attention_mode != "auto"
+        if mismatch or (ulysses_size is not None and bad_size):
             raise ValueError(
                 f"attention_mode={attention_mode!r} with ulysses_size={ulysses_size!r}: 'hybrid' needs an integer "
                 "ulysses_size >= 2, the other modes take none"
@@ -154,6 +158,8 @@ class CPZigzagStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         """Check the sizes against the world size, start the process group, build the mesh and wait for all ranks."""
         context_parallel_size = self.context_parallel_size or max(1, self.num_processes // self.tensor_parallel_size)
+        if self.attention_mode == "auto":
+            self._choose_attention_mode(context_parallel_size)
         dims = resolve_parallel_dims(
             self.num_nodes * self.num_processes,
             context_parallel_size,
@@ -170,6 +176,16 @@ class CPZigzagStrategy(DDPStrategy):
         self.barrier("cp_zigzag mesh built")
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = mesh.device_mesh
+
+    def _choose_attention_mode(self, context_parallel_size: int) -> None:
+        """Resolve ``attention_mode="auto"`` from the module's head counts (all-gather when they cannot be found)."""
+        counts = model_head_counts(self.lightning_module)
+        mode, ulysses = ("allgather", None) if counts is None else choose_attention_mode(context_parallel_size, *counts)
+        if mode == "hybrid" and self.sequence_parallel:
+            mode, ulysses = "allgather", None
+        found = "no head counts found" if counts is None else f"{counts[0]} query / {counts[1]} key-value heads"
+        rank_zero_info(f"cp_zigzag: attention_mode='auto' chose {mode!r} (cp={context_parallel_size}, {found})")
+        self.attention_mode, self.ulysses_size = mode, ulysses
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -21,14 +21,19 @@ from lightning_cp.train.models.llama import LlamaConfig
 
 
 def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
-    """An Enum whose member names are the accepted strings, so omegaconf checks them and YAML shows them plainly."""
-    return Enum(name, [(value, value) for value in values], type=str)
+    """An Enum whose member names are the accepted strings, so omegaconf checks them and YAML shows them plainly.
+
+    A number given in YAML or on the command line (``trainer.precision=32``) finds the member of that spelling.
+    """
+    choices = Enum(name, [(value, value) for value in values], type=str)
+    choices._missing_ = classmethod(lambda cls, value: cls._value2member_map_.get(str(value)))
+    return choices
 
 
 Accelerator = _choices("Accelerator", ("cpu", "gpu", "cuda", "auto"))
 Precision = _choices("Precision", ("64-true", "32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true"))
 BoundaryLayout = _choices("BoundaryLayout", LAYOUT_NAMES)
-AttentionMode = _choices("AttentionMode", MODES)
+AttentionMode = _choices("AttentionMode", (*MODES, "auto"))
 ProcessGroupBackend = _choices("ProcessGroupBackend", ("gloo", "nccl"))
 
 

@@ -102,7 +102,7 @@ class _ContinuingExperimentWriter(ExperimentWriter):
     @override
     def _check_log_dir_exists(self) -> None:
         rows = read_metrics(Path(self.metrics_file_path))
-        self.metrics_keys = sorted(rows[0]) if rows else []
+        self.metrics_keys = list(rows[0]) if rows else []  # the file's own column order
 
 
 class RunCSVLogger(CSVLogger):

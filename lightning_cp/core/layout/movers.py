@@ -19,6 +19,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_cp.core import comm
 from lightning_cp.core.layout.plans import THDCPLayoutPlan, _LayoutRedistributionPlan
+from lightning_cp.core.packed import remember_host_copy
 
 
 def _as_rows(input_: torch.Tensor, seq_dim: int) -> torch.Tensor:
@@ -341,6 +342,7 @@ def plan_on_device(host_plan: THDCPLayoutPlan, device: torch.device) -> THDCPLay
     plan = host_plan.to(device)
     if plan is not host_plan:
         _HOST_PLANS[plan] = host_plan
+        remember_host_copy(plan.cu_seqlens_padded, host_plan.cu_seqlens_padded)
     return plan
 
 

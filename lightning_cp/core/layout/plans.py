@@ -70,7 +70,7 @@ class THDCPLayoutPlan:
         if self.forward_send_indices.device == device:
             return self
         moved = {
-            field.name: value.to(device, non_blocking=True)
+            field.name: value.to(device, non_blocking=device.type != "cpu")
             for field in dataclasses.fields(self)
             if isinstance(value := getattr(self, field.name), torch.Tensor)
         }

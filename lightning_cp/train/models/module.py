@@ -61,7 +61,9 @@ class LlamaLM(pl.LightningModule):
 
     def _single_device_loss(self, batch: dict[str, Any]) -> CPLoss:
         """Prepare a raw replica batch as the layout callback would, at cp=1, and return its loss."""
-        runtime = self.__dict__.setdefault("_single_device_runtime", ContextParallelRuntime(ContextParallelSetting()))
+        runtime = self.__dict__.get("_single_device_runtime")
+        if runtime is None:  # a plain attribute, not a submodule: it holds hooks, no state
+            runtime = self.__dict__["_single_device_runtime"] = ContextParallelRuntime(ContextParallelSetting())
         runtime.wrap(self)
         batch = dict(batch)
         with runtime.step(batch):
