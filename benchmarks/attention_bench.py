@@ -1,4 +1,5 @@
-"""Benchmark CP attention: zigzag versus contiguous load balance, and allgather versus ring at cp 2 and 4.
+"""Benchmark CP attention: zigzag versus contiguous load balance; all-gather, ring, Ulysses and hybrid at cp 2 and 4
+(time, bytes sent, memory, balance); and which mode sends the fewest bytes for common GPU models.
 
 Run from the repository root: ``python benchmarks/attention_bench.py [--quick]``. Everything runs on CPU with one
 thread per rank (gloo for the process groups); tables are printed and saved to ``benchmarks/results/``.
@@ -25,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_cp.core import zigzag
+from lightning_cp.core import comm, zigzag
 from lightning_cp.core.attention import api as attention
-from lightning_cp.core.attention import kernels
+from lightning_cp.core.attention import cost, kernels
 from lightning_cp.core.packed import PackedSeqParams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "attention_bench.md"
@@ -134,66 +135,143 @@ def _memory_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _measure_modes(workload: Workload, heads: tuple[int, int], repeats: int) -> dict[str, dict[str, list[float]]]:
-    """Rank body: interleave allgather and ring, timing forward and backward and the peak extra resident memory."""
-    cp, rank = dist.get_world_size(), dist.get_rank()
-    padded = list(zigzag.ZigzagGeometry.packed(cp, workload.lengths).padded_lengths)
-    tokens = zigzag.zigzag_rank_tokens(workload.lengths, padded, cp, rank)
-    offsets = torch.tensor([0, *workload.lengths]).cumsum(0)
+def _modes_at(cp: int) -> list[tuple[str, int | None]]:
+    """The modes measured at ``cp``: all-gather, ring, Ulysses, and hybrid with u = 2 when cp allows it."""
+    modes: list[tuple[str, int | None]] = [("allgather", None), ("ring", None), ("ulysses", None)]
+    if cp >= 4 and cp % 2 == 0:
+        modes.append(("hybrid", 2))
+    return modes
+
+
+def _hybrid_groups(cp: int, ulysses: int) -> dict[str, Any]:
+    """Ulysses groups of neighbouring ranks and ring groups across them (every rank creates all of them)."""
+    rank, ring = dist.get_rank(), cp // ulysses
+    ulysses_groups = [dist.new_group([r * ulysses + u for u in range(ulysses)]) for r in range(ring)]
+    ring_groups = [dist.new_group([r * ulysses + u for r in range(ring)]) for u in range(ulysses)]
+    return {"ulysses_group": ulysses_groups[rank // ulysses], "ring_group": ring_groups[rank % ulysses]}
+
+
+def _mode_inputs(workload: Workload, heads: tuple[int, int], ring: int, split: int) -> tuple[list, Any]:
+    """This rank's zigzag shards (zigzag over ``ring`` positions, each split over ``split`` ranks) and metadata."""
+    rank = dist.get_rank()
+    lengths = torch.tensor(workload.lengths)
+    padded = zigzag.zigzag_padded_lengths(lengths, ring, split)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32)
+    cu_padded = torch.cat([torch.zeros(1, dtype=torch.int64), padded.cumsum(0)]).to(torch.int32)
+    physical_offsets = cu.to(torch.int64)
+    slots = zigzag.zigzag_source_indices(physical_offsets, lengths, padded, ring)
+    per_rank = slots.numel() // (ring * split)
+    mine = slots[rank * per_rank : (rank + 1) * per_rank]
     torch.manual_seed(0)
-    n = sum(workload.lengths)
+    n = int(lengths.sum())
     full = [torch.randn(n, h, HEAD_DIM) for h in (heads[0], heads[1], heads[1])]
-    local = [_shard(x, tokens, offsets)[0].permute(1, 0, 2).contiguous() for x in full]  # half-major [T, H, D]
-    if tokens.perm is not None:
-        local = [x[torch.argsort(tokens.perm)] for x in local]  # back to the rank's zigzag order
-    params = _packed_params(workload.lengths, padded) if workload.packed else None
+    local = [torch.where((mine >= 0)[:, None, None], x[mine.clamp(min=0)], 0.0) for x in full]
     if not workload.packed:
-        local = [x.unsqueeze(1) for x in local]
-    results: dict[str, dict[str, list[float]]] = {m: {"fwd": [], "bwd": [], "peak": []} for m in attention.MODES}
+        return [x.unsqueeze(1) for x in local], None
+    params = PackedSeqParams(cu_seqlens_q=cu, cu_seqlens_q_padded=cu_padded, max_seqlen_q=int(padded.max()))
+    return local, params
+
+
+def _measure_modes(workload: Workload, heads: tuple[int, int], repeats: int) -> dict[str, dict[str, list[float]]]:
+    """Rank body: interleave the modes, timing forward and backward, counting the bytes sent and the peak memory."""
+    cp = dist.get_world_size()
+    modes = _modes_at(cp)
+    prepared = {}
+    for mode, ulysses in modes:
+        ring, split = (cp // ulysses, ulysses) if mode == "hybrid" else (cp, 1)
+        groups = _hybrid_groups(cp, ulysses) if mode == "hybrid" else {}
+        prepared[mode] = (*_mode_inputs(workload, heads, ring, split), groups)
+    results: dict[str, dict[str, list[float]]] = {
+        mode: {"fwd": [], "bwd": [], "peak": [], "bytes": []} for mode, _ in modes
+    }
     for repeat in range(repeats + 1):  # the first round warms up kernels and gloo connections and is not kept
-        for mode in attention.MODES:
+        for mode, _ in modes:
+            local, params, groups = prepared[mode]
             leaves = [x.clone().requires_grad_() for x in local]
             dist.barrier()
             Path("/proc/self/clear_refs").write_text("5")
             resident = _memory_kib("VmRSS")
-            start = time.perf_counter()
-            out = attention.zigzag_attention(*leaves, dist.group.WORLD, packed_seq_params=params, mode=mode)
-            middle = time.perf_counter()
-            out.backward(torch.ones_like(out))
-            end = time.perf_counter()
+            with comm.counting_sent_bytes() as sent:
+                start = time.perf_counter()
+                out = attention.zigzag_attention(
+                    *leaves, dist.group.WORLD, packed_seq_params=params, mode=mode, **groups
+                )
+                middle = time.perf_counter()
+                out.backward(torch.ones_like(out))
+                end = time.perf_counter()
             if repeat:
                 results[mode]["fwd"].append(middle - start)
                 results[mode]["bwd"].append(end - middle)
                 results[mode]["peak"].append((_memory_kib("VmHWM") - resident) / 1024)
+                results[mode]["bytes"].append(sent.total)
     return results
 
 
-def _packed_params(lengths: Sequence[int], padded: Sequence[int]) -> PackedSeqParams:
-    """Zigzag-side metadata for a packed workload."""
-    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    cu_padded = torch.tensor([0, *padded], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    return PackedSeqParams(cu_seqlens_q=cu, cu_seqlens_q_padded=cu_padded, max_seqlen_q=max(padded))
-
-
 def modes_table(total: int, cps: Sequence[int], repeats: int) -> str:
-    """Allgather versus ring, forward and backward time and peak extra memory per rank, interleaved in one run."""
-    heads = (4, 2)
+    """Every mode side by side in one run: time, bytes sent per layer, peak extra memory and work balance per rank."""
+    heads = (8, 2)
     lines = [
-        f"### allgather vs ring (causal, Hq={heads[0]}, Hkv={heads[1]}, D={HEAD_DIM}, float32, cpu_flash, gloo, "
+        f"### attention modes (causal, Hq={heads[0]}, Hkv={heads[1]}, D={HEAD_DIM}, float32, cpu_flash, gloo, "
         f"1 thread per rank, {os.cpu_count()} CPU cores shared by all ranks; time = slowest rank's min of {repeats}; "
-        "memory = peak resident growth during the call)",
+        "bytes = what each rank sends for one layer's forward + backward, counted in the collectives (slowest rank; "
+        "the byte model `lightning_cp.core.attention.cost` gives the same); memory = peak resident growth during the "
+        "call; balance = max / mean attention work over ranks)",
         "",
-        "| workload | cp | mode | forward (ms) | backward (ms) | peak memory per rank (MiB) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| workload | cp | mode | forward (ms) | backward (ms) | MiB sent per rank | peak MiB per rank | balance |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for workload in workloads(total)[:2]:
         for cp in cps:
             outcomes = launch(_measure_modes, cp, workload, heads, repeats)
-            for mode in attention.MODES:
+            cu = None if not workload.packed else [0, *torch.tensor(workload.lengths).cumsum(0).tolist()]
+            for mode, ulysses in _modes_at(cp):
                 fwd = max(1000 * min(rank[mode]["fwd"]) for rank in outcomes)
                 bwd = max(1000 * min(rank[mode]["bwd"]) for rank in outcomes)
+                sent = max(max(rank[mode]["bytes"]) for rank in outcomes) / 2**20
                 peaks = " / ".join(f"{max(rank[mode]['peak']):.1f}" for rank in outcomes)
-                lines.append(f"| {workload.name} | {cp} | {mode} | {fwd:.0f} | {bwd:.0f} | {peaks} |")
+                sizes = {"cu_seqlens": cu} if cu else {"seq_len": total}
+                work = attention.attention_work_per_rank(cp, **sizes, mode=mode, ulysses_size=ulysses)
+                name = mode if ulysses is None else f"{mode} u={ulysses}"
+                lines.append(
+                    f"| {workload.name} | {cp} | {name} | {fwd:.0f} | {bwd:.0f} | {sent:.2f} | {peaks} | "
+                    f"{_imbalance(work):.3f} |"
+                )
+    return "\n".join(lines)
+
+
+def rule_table() -> str:
+    """Bytes per layer of each mode relative to all-gather for common GPU models, and what ``auto`` picks."""
+    models = [
+        ("Qwen2.5-0.5B", 14, 2),
+        ("Llama-3-8B / Mistral-7B", 32, 8),
+        ("Llama-3-70B", 64, 8),
+        ("MHA 16 heads", 16, 16),
+    ]
+    lines = [
+        "### which mode for a GPU cluster: bytes per layer relative to all-gather (`bytes_sent_per_layer`; '-' = the "
+        "heads do not split), and `attention_mode='auto'`",
+        "",
+        "| model (query / kv heads) | cp | ring | ulysses | best hybrid | auto |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, heads, kv_heads in models:
+        for cp in (2, 4, 8, 16):
+            base = cost.bytes_sent_per_layer("allgather", cp, 1, heads, kv_heads, 1, 1)
+            ring = cost.bytes_sent_per_layer("ring", cp, 1, heads, kv_heads, 1, 1) / base
+            ulysses = (
+                f"{cost.bytes_sent_per_layer('ulysses', cp, 1, heads, kv_heads, 1, 1) / base:.2f}"
+                if heads % cp == 0
+                else "-"
+            )
+            hybrids = [
+                (cost.bytes_sent_per_layer("hybrid", cp, 1, heads, kv_heads, 1, 1, ulysses_size=u) / base, u)
+                for u in range(2, cp)
+                if cp % u == 0 and heads % u == 0
+            ]
+            hybrid = f"{min(hybrids)[0]:.2f} (u={min(hybrids)[1]})" if hybrids else "-"
+            mode, u = cost.choose_attention_mode(cp, heads, kv_heads)
+            chosen = mode if u is None else f"{mode} u={u}"
+            lines.append(f"| {name} ({heads} / {kv_heads}) | {cp} | {ring:.2f} | {ulysses} | {hybrid} | {chosen} |")
     return "\n".join(lines)
 
 
@@ -251,7 +329,11 @@ def main() -> None:
     torch.set_num_threads(1)
     _track_live_memory()
     started = time.perf_counter()
-    sections = [balance_table(balance_tokens, 4, repeats), modes_table(modes_tokens, (2, 4), repeats)]
+    sections = [
+        balance_table(balance_tokens, 4, repeats),
+        modes_table(modes_tokens, (2, 4), repeats),
+        rule_table(),
+    ]
     header = (
         f"## attention_bench{' --quick' if args.quick else ''}\n\n"
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, {platform.machine()}, "

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -10,6 +11,33 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _init_device_mesh
 from torch.distributed.tensor import DTensor
+
+
+class SentBytes:
+    """Bytes this rank sent to other ranks through the data-moving collectives below, while counting is on."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+
+_counters: list[SentBytes] = []
+
+
+@contextmanager
+def counting_sent_bytes() -> Iterator[SentBytes]:
+    """Count the bytes this rank sends to other ranks inside the block (all-to-all, all-gather, ring sends)."""
+    counter = SentBytes()
+    _counters.append(counter)
+    try:
+        yield counter
+    finally:
+        _counters.remove(counter)
+
+
+def _sent(byte_count: int) -> None:
+    """Add ``byte_count`` to every active counter."""
+    for counter in _counters:
+        counter.total += byte_count
 
 
 def group_size(group: ProcessGroup) -> int:
@@ -112,6 +140,7 @@ class _AllGatherStack(torch.autograd.Function):
         ctx.group = group
         input_ = input_.contiguous()
         parts = [torch.empty_like(input_) for _ in range(dist.get_world_size(group))]
+        _sent((len(parts) - 1) * input_.numel() * input_.element_size())
         dist.all_gather(parts, input_, group=group)
         return torch.stack(parts)
 
@@ -119,6 +148,7 @@ class _AllGatherStack(torch.autograd.Function):
     def backward(ctx, grad_output):  # type: ignore[override]
         grad_output = grad_output.contiguous()
         received = torch.empty_like(grad_output)
+        _sent(grad_output.numel() * grad_output.element_size() * (grad_output.shape[0] - 1) // grad_output.shape[0])
         dist.all_to_all_single(received, grad_output, group=ctx.group)
         return received.sum(0), None
 
@@ -150,6 +180,7 @@ def ring_shift(tensor: torch.Tensor, group: ProcessGroup, tag: int = 0) -> RingT
     received = torch.empty_like(sent)
     next_rank = dist.get_global_rank(group, (rank + 1) % size)
     previous_rank = dist.get_global_rank(group, (rank - 1) % size)
+    _sent(sent.numel() * sent.element_size())
     works = dist.batch_isend_irecv(
         [
             dist.P2POp(dist.isend, sent, next_rank, group, tag),
@@ -167,6 +198,8 @@ def all_to_all_v_into(
     group: ProcessGroup,
 ) -> torch.Tensor:
     """Uneven all-to-all along dim 0 into the caller's contiguous ``output`` (no allocation, not differentiable)."""
+    row_bytes = input_.numel() // input_.shape[0] * input_.element_size() if input_.shape[0] else 0
+    _sent((sum(input_split_sizes) - input_split_sizes[dist.get_rank(group)]) * row_bytes)
     dist.all_to_all_single(
         output,
         input_.contiguous(),

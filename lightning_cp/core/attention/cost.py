@@ -51,16 +51,17 @@ def _ring_bytes(ranks: int, kv_elements: int, element_size: int, gradient_elemen
 
 
 def choose_attention_mode(cp_size: int, heads: int, kv_heads: int) -> tuple[str, int | None]:
-    """Return ``(mode, ulysses_size)`` that sends the fewest bytes per layer (ties: ulysses, hybrid, allgather)."""
+    """Return ``(mode, ulysses_size)`` that sends the fewest bytes per layer; on a tie the one with fewer moving parts
+    (all-gather, then Ulysses, then hybrid)."""
     candidates: list[tuple[float, int, str, int | None]] = [
-        (bytes_sent_per_layer("allgather", cp_size, 1, heads, kv_heads, 1, 1), 2, "allgather", None)
+        (bytes_sent_per_layer("allgather", cp_size, 1, heads, kv_heads, 1, 1), 0, "allgather", None)
     ]
     if cp_size > 1 and heads % cp_size == 0:
-        candidates.append((bytes_sent_per_layer("ulysses", cp_size, 1, heads, kv_heads, 1, 1), 0, "ulysses", None))
+        candidates.append((bytes_sent_per_layer("ulysses", cp_size, 1, heads, kv_heads, 1, 1), 1, "ulysses", None))
     for ulysses in range(2, cp_size):
         if cp_size % ulysses == 0 and heads % ulysses == 0:
             cost = bytes_sent_per_layer("hybrid", cp_size, 1, heads, kv_heads, 1, 1, ulysses_size=ulysses)
-            candidates.append((cost, 1, "hybrid", ulysses))
+            candidates.append((cost, 2, "hybrid", ulysses))
     _, _, mode, ulysses = min(candidates)
     return mode, ulysses
 
