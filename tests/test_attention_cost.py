@@ -87,3 +87,17 @@ def test_head_counts_are_found_in_the_reference_model_and_hf_configs():
 
     assert model_head_counts(HFLike()) == (16, 4)
     assert model_head_counts(torch.nn.Linear(2, 2)) is None
+
+
+def test_the_strategy_resolves_auto_from_the_module_heads():
+    from lightning_cp import CPZigzagStrategy
+    from lightning_cp.train.models import LlamaLM
+
+    strategy = CPZigzagStrategy(attention_mode="auto")
+    strategy._lightning_module = LlamaLM(hidden_size=64, num_layers=1, num_heads=16, num_kv_heads=16)
+    strategy._choose_attention_mode(4)
+    assert (strategy.attention_mode, strategy.ulysses_size) == ("ulysses", None)
+    strategy._lightning_module = torch.nn.Linear(2, 2)
+    strategy.attention_mode = "auto"
+    strategy._choose_attention_mode(4)
+    assert (strategy.attention_mode, strategy.ulysses_size) == ("allgather", None)

@@ -159,16 +159,20 @@ def test_resume_after_a_kill_continues_with_the_same_steps_and_losses(full_run: 
 
 
 def test_cp1_and_cp2_write_the_same_float64_losses(tmp_path: Path) -> None:
-    """cp=2 with all-gather and with Ulysses attention match cp=1 in float64 (relative 1e-9)."""
+    """cp=2 with all-gather and with Ulysses attention, cp=4 hybrid (u=2), all match cp=1 in float64 (relative 1e-9)."""
     parity = [*SHORT[2:], "trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.precision=64-true"]
-    runs = {"cp1": (1, "allgather"), "cp2": (2, "allgather"), "cp2-ulysses": (2, "ulysses")}
+    runs = {
+        "cp1": (1, ["strategy.attention_mode=allgather"]),
+        "cp2": (2, ["strategy.attention_mode=allgather"]),
+        "cp2-ulysses": (2, ["strategy.attention_mode=ulysses"]),
+        "cp4-hybrid": (4, ["strategy.attention_mode=hybrid", "strategy.ulysses_size=2"]),
+    }
     for name, (devices, mode) in runs.items():
-        overrides = [f"trainer.devices={devices}", f"strategy.context_parallel_size={devices}"]
-        overrides.append(f"strategy.attention_mode={mode}")
+        overrides = [f"trainer.devices={devices}", f"strategy.context_parallel_size={devices}", *mode]
         result = _run("fit", *parity, *overrides, f"run.root={tmp_path}", f"run.name={name}")
         assert result.returncode == 0, result.stderr[-3000:]
     (steps1, train1), (val_steps1, val1) = _losses(tmp_path / "cp1")
-    for name in ("cp2", "cp2-ulysses"):
+    for name in ("cp2", "cp2-ulysses", "cp4-hybrid"):
         (steps2, train2), (val_steps2, val2) = _losses(tmp_path / name)
         assert steps1 == steps2 == list(range(6)) and val_steps1 == val_steps2 == [0, 3, 6]
         _assert_same(train2, train1, rel=1e-9)

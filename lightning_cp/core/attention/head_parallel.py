@@ -9,6 +9,7 @@ groups on zigzag shards of the gathered sequence, so cp can exceed the number of
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 import torch
@@ -20,6 +21,7 @@ from lightning_cp.core.attention.kernels import BlockPlan, build_block_plan
 from lightning_cp.core.zigzag import RankTokens
 
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
+logger = logging.getLogger("lightning_cp.attention")
 
 
 def kv_replication(query_heads: int, kv_heads: int, ulysses_size: int, mode: str) -> int:
@@ -38,6 +40,16 @@ def kv_replication(query_heads: int, kv_heads: int, ulysses_size: int, mode: str
         for factor in range(1, ulysses_size + 1)
         if (kv_heads * factor) % ulysses_size == 0 and query_heads % (kv_heads * factor) == 0
     )
+
+
+@functools.cache
+def _log_replication_once(kv_heads: int, factor: int, size: int, mode: str) -> None:
+    """Say once per shape what splitting too few K/V heads costs."""
+    logger.info(
+        "%s: %d key/value heads do not split over %d ranks; each is repeated %d times, so K/V send %dx the bytes "
+        "(and their gradients are summed back)",
+        mode, kv_heads, size, factor, factor,
+    )  # fmt: skip
 
 
 def _scatter_heads(x: Tensor, group: ProcessGroup, size: int) -> Tensor:
@@ -66,6 +78,7 @@ def head_parallel(q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup, mode: st
     size = group.size()
     factor = kv_replication(q.shape[-2], k.shape[-2], size, mode)
     if factor > 1:
+        _log_replication_once(k.shape[-2], factor, size, mode)
         k, v = (x.repeat_interleave(factor, dim=-2) for x in (k, v))
     gathered_q, gathered_k, gathered_v = (_scatter_heads(x, group, size) for x in (q, k, v))
     return _gather_heads(attend(gathered_q, gathered_k, gathered_v), group, size)
