@@ -43,8 +43,8 @@ def _layer(name: str) -> int:
 def test_the_three_layers_exist_and_hold_the_modules():
     assert {name.split(".")[1] for name in MODULES if name.count(".") >= 2} == set(LAYERS)
     top_level = sorted(name for name in MODULES if _layer(name) == SURFACE)
-    assert top_level == ["lightning_cp", "lightning_cp.__main__", "lightning_cp.attention", "lightning_cp.layout",
-                         "lightning_cp.packed"]  # fmt: skip
+    assert top_level == ["lightning_cp", "lightning_cp.__main__", "lightning_cp.attention", "lightning_cp.hf",
+                         "lightning_cp.layout", "lightning_cp.packed"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
@@ -54,11 +54,10 @@ def test_no_module_imports_from_a_layer_above_it(name: str):
 
 
 @pytest.mark.parametrize("name", sorted(name for name in MODULES if _layer(name) == LAYERS["core"]))
-def test_the_core_imports_no_lightning(name: str):
-    lightning = sorted(
-        imported for imported in _imports(MODULES[name]) if imported.split(".")[0] in {"lightning", "pytorch_lightning"}
-    )
-    assert not lightning, f"{name} imports {lightning}"
+def test_the_core_imports_no_lightning_and_no_transformers(name: str):
+    outside = {"lightning", "pytorch_lightning", "transformers", "tokenizers"}
+    imported = sorted(module for module in _imports(MODULES[name]) if module.split(".")[0] in outside)
+    assert not imported, f"{name} imports {imported}"
 
 
 DISTRIBUTED_TYPES = {"ProcessGroup", "DeviceMesh", "DTensor"}

@@ -9,10 +9,10 @@ import torch
 
 from lightning_cp.core.sharding import shard_replica_batch
 from lightning_cp.core.step import ContextParallelStep, activated, contiguous_packed_seq_params
+from lightning_cp.lightning.module import warmup_cosine
 from lightning_cp.train.data import collate_packed, pack_documents
 from lightning_cp.train.models import LlamaConfig, LlamaDecoder, LlamaLM
 from lightning_cp.train.models.layers import apply_rotary, rotary_cos_sin
-from lightning_cp.train.models.module import warmup_cosine
 
 TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 48}
 

@@ -58,6 +58,8 @@ def cp_attention(
     single-device attention, masked per document for packed batches.
     """
     step = active_step()
+    if step is not None:
+        step.attention_calls += 1
     if step is None or step.cp_size == 1:
         cu_seqlens = step.contiguous_packed_seq_params.cu_seqlens_q if step is not None and step.is_packed else None
         return local_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)

@@ -37,7 +37,7 @@ from lightning_cp.core.zigzag import CPLayout
 
 DEFAULT_ZIGZAG_LAYERS = ("*DecoderBlock", "*DecoderLayer", "*TransformerBlock", "*AttentionBlock")
 DEFAULT_CONTIGUOUS_LAYERS = ("*RecurrentBlock", "*MambaBlock", "*ConvBlock")
-DEFAULT_SIDE_INPUTS = ("position_ids",)
+DEFAULT_SIDE_INPUTS = ("position_ids", "position_embeddings")
 SEQUENCE_DIM = 1
 
 
@@ -86,6 +86,18 @@ def select_layers(
         if matches:
             selected.append((module, WrappedLayer(name, class_name, matches.pop())))
     return selected
+
+
+def _converted_side_input(step: ContextParallelStep, name: str, value: Any, layout: CPLayout) -> Any:
+    """Convert a per-token side input: a tensor, or a tuple/list of them (Hugging Face's rotary ``(cos, sin)``)."""
+    if isinstance(value, torch.Tensor):
+        return step.convert_side_input(value, layout)
+    if isinstance(value, tuple | list) and all(isinstance(item, torch.Tensor) for item in value):
+        return type(value)(step.convert_side_input(item, layout) for item in value)
+    raise TypeError(
+        f"side input {name!r} is a {type(value).__name__}; expected a per-token tensor [B, S_local, ...] or a "
+        "tuple/list of them (remove it from side_inputs if it is not per-token)"
+    )
 
 
 class ContextParallelRuntime:
@@ -206,9 +218,9 @@ class ContextParallelRuntime:
                 step.marked_layers.add(layer_index)
             hidden_states = step.enter_layer(layer_index, layout, hidden_states)
             converted = {
-                name: step.convert_side_input(kwargs[name], layout)
+                name: _converted_side_input(step, name, kwargs[name], layout)
                 for name in side_inputs
-                if isinstance(kwargs.get(name), torch.Tensor)
+                if kwargs.get(name) is not None
             }
             return (hidden_states, *args[1:]), {**kwargs, **converted}
 

@@ -60,7 +60,8 @@ def document_position_ids(cu_seqlens: torch.Tensor, token_count: int) -> torch.T
 def validate_replica_batch(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     """Check a replica batch against the batch contract; return a packed batch's offsets on the host (int32).
 
-    Raises ``ValueError`` naming what is wrong. The offsets are read from the device once, here.
+    Documents come from ``cu_seqlens`` (or Hugging Face's ``cu_seq_lens_q``), else from ``position_ids`` restarting
+    at 0 in a flattened row. Raises ``ValueError`` naming what is wrong. The offsets are read from the device once.
     """
     if "input_ids" not in batch:
         raise ValueError(f"a batch needs 'input_ids'; got keys {sorted(batch)}")
@@ -70,9 +71,15 @@ def validate_replica_batch(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | 
     labels = batch.get("labels")
     if labels is not None and labels.shape != input_ids.shape:
         raise ValueError(f"labels shape {tuple(labels.shape)} differs from input_ids shape {tuple(input_ids.shape)}")
-    cu_seqlens = batch.get("cu_seqlens")
+    attention_mask = batch.get("attention_mask")
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError(
+            "attention_mask masks some tokens out (padding); pack the documents into one row (cu_seqlens, or "
+            "position_ids restarting per document) instead of padding them"
+        )
+    cu_seqlens = batch.get("cu_seqlens", batch.get("cu_seq_lens_q"))
     if cu_seqlens is None:
-        return None
+        return _documents_from_position_ids(batch.get("position_ids"), input_ids)
     if input_ids.shape[0] != 1:
         raise ValueError(f"a packed batch has batch size 1; got input_ids shape {tuple(input_ids.shape)}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
@@ -83,6 +90,33 @@ def validate_replica_batch(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | 
     if int(host[-1]) != token_count:
         raise ValueError(f"cu_seqlens must start at 0 and end at the token count {token_count}; got {host.tolist()}")
     return host
+
+
+def _documents_from_position_ids(position_ids: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """Offsets of the documents that ``position_ids`` restarting at 0 mark (Hugging Face's flattening collator).
+
+    ``None`` for plain rows (no restart inside a row); an error when rows of a ``[B, S]`` batch hold several
+    documents, which no offsets can describe.
+    """
+    if position_ids is None:
+        return None
+    if position_ids.shape != input_ids.shape:
+        raise ValueError(
+            f"position_ids shape {tuple(position_ids.shape)} differs from input_ids shape {tuple(input_ids.shape)}"
+        )
+    starts = host_copies(position_ids)[0] == 0
+    restarts = starts[:, 1:].any(dim=1)
+    if not bool(restarts.any()):
+        return None
+    if position_ids.shape[0] != 1:
+        raise ValueError(
+            f"position_ids restart inside rows of a [B, S] = {list(position_ids.shape)} batch, so several documents "
+            "share a row: flatten them into one row ([1, T], e.g. DataCollatorWithFlattening) or pass cu_seqlens"
+        )
+    if not bool(starts[0, 0]):
+        raise ValueError("position_ids of a flattened row must start at 0")
+    document_starts = torch.nonzero(starts[0]).flatten()
+    return torch.cat([document_starts, torch.tensor([position_ids.shape[1]])]).to(torch.int32)
 
 
 def shard_replica_batch(

@@ -104,6 +104,7 @@ class ContextParallelStep:
     dense_padding: int = 0
     owner: Any = None
     layer_conversion_count: int = 0
+    attention_calls: int = 0
     recomputing: bool = False
     marked_layers: set[int] = field(default_factory=set)
     _current_layout: CPLayout | None = None

@@ -81,6 +81,17 @@ class ContextParallelLayoutCallback(Callback):
                 pl_module.log(f"cp/{name}", value, on_step=True, on_epoch=False, batch_size=1)
 
     @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        """Fail when cp > 1 and the forward never called ``cp_attention``: the model bypassed it (wrong results)."""
+        step = active_step()
+        if step is not None and step.cp_size > 1 and self.wrapped_layers and step.attention_calls == 0:
+            raise RuntimeError(
+                f"cp={step.cp_size} but the forward made no cp_attention call: the model's attention bypassed it and "
+                "would attend within each rank's shard only (a Hugging Face model needs "
+                "attn_implementation='lightning_cp', which HFCausalLM sets)"
+            )
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

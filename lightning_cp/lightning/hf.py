@@ -1,0 +1,124 @@
+"""Hugging Face causal LMs under ``cp_zigzag``, unmodified: the ``"lightning_cp"`` attention and ``HFCausalLM``.
+
+Importing this module registers ``"lightning_cp"`` with ``transformers.AttentionInterface`` (and a mask function
+that builds no mask: documents come from the step). The attention maps Hugging Face's ``[B, H, S, D]`` to
+``cp_attention`` and raises on what it cannot do exactly. Needs ``pip install lightning_cp[hf]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface
+from typing_extensions import override
+
+from lightning_cp.core.functional import cp_attention
+from lightning_cp.core.step import active_step
+from lightning_cp.lightning.module import CausalLMModule
+
+ATTENTION_NAME = "lightning_cp"
+
+
+def lightning_cp_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Hugging Face attention signature over ``cp_attention``: ``[B, H, S, D]`` in, ``[B, S, H, D]`` out."""
+    unsupported = {
+        "an attention_mask (padding or custom 4-D masks; pack documents instead)": attention_mask is not None,
+        f"dropout={dropout}": bool(dropout) and module.training,
+        f"softcap={kwargs.get('softcap')}": kwargs.get("softcap") is not None,
+        f"sliding_window={kwargs.get('sliding_window')}": kwargs.get("sliding_window") is not None,
+    }
+    problems = [what for what, present in unsupported.items() if present]
+    if problems:
+        raise ValueError(
+            f"attention_implementation='{ATTENTION_NAME}' cannot compute {', '.join(problems)} exactly "
+            f"({type(module).__name__}); turn it off in the model config"
+        )
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    out = cp_attention(*(x.transpose(1, 2) for x in (query, key, value)), causal=causal, softmax_scale=scaling)
+    return out, None
+
+
+def _no_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
+    """Mask function of ``"lightning_cp"``: no mask (documents come from the step); padding masks are an error."""
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError("attention_mask masks tokens out (padding); pack documents into one row instead")
+
+
+AttentionInterface.register(ATTENTION_NAME, lightning_cp_attention)
+AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+
+
+class HFCausalLM(CausalLMModule):
+    """A LightningModule around any ``AutoModelForCausalLM``, trained with the CP-aware loss.
+
+    Args:
+        model_or_path: a model instance, or a local folder (or hub name) for ``from_pretrained``.
+        lr, weight_decay, betas, warmup_steps, min_lr_ratio: AdamW with linear warm-up and cosine decay.
+        gradient_checkpointing: call the model's ``gradient_checkpointing_enable()``.
+        **from_pretrained: keyword arguments of ``from_pretrained`` (``torch_dtype``, ...).
+
+    The model is switched to the ``"lightning_cp"`` attention; labels are never passed to it (the batch's are already
+    shifted per document), the loss is ``cp_cross_entropy`` on its logits.
+    """
+
+    def __init__(
+        self,
+        model_or_path: PreTrainedModel | str,
+        lr: float = 2e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+        min_lr_ratio: float = 0.1,
+        gradient_checkpointing: bool = False,
+        **from_pretrained: Any,
+    ) -> None:
+        super().__init__()
+        if isinstance(model_or_path, str):
+            model = AutoModelForCausalLM.from_pretrained(
+                model_or_path, attn_implementation=ATTENTION_NAME, **from_pretrained
+            )
+        else:
+            model = model_or_path
+            model.set_attn_implementation(ATTENTION_NAME)
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.model = model
+        self.save_hyperparameters(
+            {
+                "lr": lr,
+                "weight_decay": weight_decay,
+                "betas": betas,
+                "warmup_steps": warmup_steps,
+                "min_lr_ratio": min_lr_ratio,
+                "gradient_checkpointing": gradient_checkpointing,
+            }
+        )
+
+    @override
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Return the model's logits of this rank's tokens (no labels: the loss is computed CP-aware)."""
+        step = active_step()
+        implementation = self.model.config._attn_implementation
+        if step is not None and step.cp_size > 1 and implementation != ATTENTION_NAME:
+            raise RuntimeError(
+                f"cp={step.cp_size} but the model's attn_implementation is {implementation!r}, not "
+                f"{ATTENTION_NAME!r}: the forward would make no cp_attention call and attend within each shard only"
+            )
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
+    @override
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Return the logits of this rank's tokens."""
+        return self(input_ids, position_ids)

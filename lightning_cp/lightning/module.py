@@ -1,0 +1,89 @@
+"""``CausalLMModule``: the Lightning side every causal LM here shares — CP-aware loss, logging, AdamW + schedule."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from typing_extensions import override
+
+from lightning_cp.core.loss import CPLoss, cp_cross_entropy
+from lightning_cp.core.runtime import ContextParallelRuntime
+from lightning_cp.core.step import ContextParallelSetting
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Return the learning-rate multiplier: linear warm-up, then cosine decay to ``min_lr_ratio``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class CausalLMModule(pl.LightningModule):
+    """A causal LM over packed or dense batches, under ``cp_zigzag`` at any cp or on one device.
+
+    Subclasses define ``logits(input_ids, position_ids)`` and save the hyperparameters ``lr``, ``weight_decay``,
+    ``betas``, ``warmup_steps`` and ``min_lr_ratio``. Batches sharded by the layout callback carry ``position_ids``;
+    raw ones (no callback, e.g. a plain Lightning strategy) are prepared as the callback would at cp=1.
+    """
+
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Return the logits ``[B, S_local, vocab]`` of this rank's tokens."""
+        raise NotImplementedError
+
+    def _loss(self, batch: dict[str, Any]) -> CPLoss:
+        """Return the CP-aware loss of a sharded batch (or of a raw batch on one device)."""
+        if "position_ids" not in batch or "loss_token_count" not in batch:
+            return self._single_device_loss(batch)
+        return cp_cross_entropy(
+            self.logits(batch["input_ids"], batch["position_ids"]), batch["labels"], batch["loss_token_count"]
+        )
+
+    def _single_device_loss(self, batch: dict[str, Any]) -> CPLoss:
+        """Prepare a raw replica batch as the layout callback would, at cp=1, and return its loss."""
+        runtime = self.__dict__.get("_single_device_runtime")
+        if runtime is None:  # a plain attribute, not a submodule: it holds hooks, no state
+            runtime = self.__dict__["_single_device_runtime"] = ContextParallelRuntime(ContextParallelSetting())
+        runtime.wrap(self)
+        batch = dict(batch)
+        with runtime.step(batch):
+            logits = self.logits(batch["input_ids"], batch["position_ids"])
+            return cp_cross_entropy(logits, batch["labels"], batch["loss_token_count"])
+
+    @override
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        """Return the scaled loss; log the replica-wide mean loss per step."""
+        out = self._loss(batch)
+        self.log("train_loss", out.mean, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
+        return out.loss
+
+    @override
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """Log the validation loss, weighted by each batch's number of target tokens."""
+        out = self._loss(batch)
+        self.log("val_loss", out.mean, prog_bar=True, sync_dist=True, batch_size=int(batch["loss_token_count"]))
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        """Log after how many optimizer steps this validation ran (the x of the validation curve)."""
+        self.log("trained_steps", float(self.trainer.global_step), sync_dist=True)
+
+    @override
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW (no decay on norms and biases) with linear warm-up and cosine decay over the run's steps."""
+        hp = self.hparams
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.lr,
+            betas=tuple(hp.betas),
+        )
+        total = self.trainer.max_steps if self.trainer.max_steps > 0 else int(self.trainer.estimated_stepping_batches)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, total, hp.min_lr_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,210 @@
+"""Unmodified Hugging Face causal LMs under ``cp_zigzag`` through ``HFCausalLM``, against the unmodified model on one
+device with Hugging Face's own attention, document by document (float64, relative 1e-9)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from torch.utils.data import DataLoader
+
+from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy
+from lightning_cp.hf import HFCausalLM
+from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
+from tests.model_helpers import ATTENTION, POLICY, TRAINER_OPTIONS, TinyTransformer, packed_batches
+
+# Forked ranks must not inherit a started OpenMP pool, so this process computes single-threaded.
+torch.set_num_threads(1)
+
+STEPS = 3
+LEARNING_RATE = 0.1
+VOCAB = 64
+SMALL = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(**SMALL),
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL),
+    "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=8),
+    "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=None),
+}
+
+
+def tiny_model(family: str, attention: str = "sdpa") -> transformers.PreTrainedModel:
+    """A float64 model of ``family`` with seeded weights (the same weights for every call)."""
+    torch.manual_seed(0)
+    config = FAMILIES[family]()
+    config._attn_implementation = attention
+    return transformers.AutoModelForCausalLM.from_config(config).double()
+
+
+class SGDCausalLM(HFCausalLM):
+    """``HFCausalLM`` with plain SGD, so the reference is a few lines."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LEARNING_RATE)
+
+
+def _documents(count: int, seed: int) -> list[list[list[int]]]:
+    """``count`` batches of documents with lengths 1 to 13 (most not multiples of 2 x cp)."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        lengths = torch.randint(1, 14, (4,), generator=generator).tolist()
+        batches.append([torch.randint(0, VOCAB, (length,), generator=generator).tolist() for length in lengths])
+    return batches
+
+
+def make_batches(kind: str, count: int = STEPS) -> tuple[list[dict[str, torch.Tensor]], list[list[list[int]]]]:
+    """Replica batches of ``kind`` (packed, flattening, dense) and the documents each holds."""
+    if kind == "dense":
+        generator = torch.Generator().manual_seed(7)
+        rows = [torch.randint(0, VOCAB, (2, 11), generator=generator) for _ in range(count)]
+        return [{"input_ids": row} for row in rows], [row.tolist() for row in rows]
+    documents = _documents(count, seed=3)
+    if kind == "flattening":
+        collator = transformers.DataCollatorWithFlattening(return_tensors="pt")
+        return [collator([{"input_ids": doc} for doc in docs]) for docs in documents], documents
+    batches = []
+    for docs in documents:
+        offsets = torch.tensor([0, *torch.tensor([len(d) for d in docs]).cumsum(0).tolist()], dtype=torch.int32)
+        batches.append({"input_ids": torch.tensor([sum(docs, [])]), "cu_seqlens": offsets})
+    return batches, documents
+
+
+def reference_losses(family: str, documents: list[list[list[int]]]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The unmodified model, HF's own attention, each document on its own; SGD on the batch's mean token loss."""
+    model = tiny_model(family)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    losses = []
+    for docs in documents:
+        total = sum(len(doc) - 1 for doc in docs)
+        summed = sum(
+            F.cross_entropy(model(torch.tensor([doc])).logits[0, :-1], torch.tensor(doc[1:]), reduction="sum")
+            for doc in docs
+            if len(doc) > 1
+        )
+        loss = summed / total
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+class _Recorder(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def _fit(family: str, kind: str, world: int, strategy: dict[str, Any], checkpointing: bool) -> dict[str, Any]:
+    """Rank body: train ``STEPS`` steps of the unmodified model under ``cp_zigzag``; return losses and weights."""
+    os.environ["WORLD_SIZE"] = str(world)
+    batches, _ = make_batches(kind)
+    module = SGDCausalLM(tiny_model(family), gradient_checkpointing=checkpointing)
+    recorder = _Recorder()
+    trainer = pl.Trainer(
+        devices=world,
+        strategy=CPZigzagStrategy(**strategy),
+        max_steps=STEPS,
+        callbacks=[recorder],
+        use_distributed_sampler=False,
+        **TRAINER_OPTIONS,
+    )
+    trainer.fit(module, DataLoader(batches, batch_size=None))
+    weights = trainer.strategy.lightning_module_state_dict()
+    return {"losses": recorder.losses, "weights": {k: v.numpy().copy() for k, v in weights.items() if "model." in k}}
+
+
+RUNS = [
+    ("llama", "packed", 2, {}, False),
+    ("llama", "flattening", 2, {"attention_mode": "ring"}, True),
+    ("llama", "dense", 2, {}, False),
+    ("llama", "packed", 1, {}, False),
+    ("qwen2", "packed", 2, {"attention_mode": "ring"}, False),
+    ("qwen3", "flattening", 2, {}, True),
+    ("mistral", "packed", 2, {}, False),
+    ("qwen3", "packed", 4, {"attention_mode": "ring"}, False),
+    ("llama", "flattening", 4, {"attention_mode": "ulysses"}, False),
+]
+
+
+@pytest.mark.parametrize(("family", "kind", "world", "strategy", "checkpointing"), RUNS)
+def test_unmodified_models_match_one_device(family, kind, world, strategy, checkpointing):
+    results = run_on_ranks(_fit, world, family, kind, world, strategy, checkpointing, init_process_group=False)
+    expected_losses, expected_weights = reference_losses(family, make_batches(kind)[1])
+    for result in results:
+        assert len(result["losses"]) == STEPS
+        for actual, expected in zip(result["losses"], expected_losses, strict=True):
+            assert abs(actual - expected) <= 1e-9 * abs(expected), f"{actual} != {expected}"
+        for name, expected in expected_weights.items():
+            actual = torch.from_numpy(result["weights"][f"model.{name}"])
+            error = (actual - expected).abs().max().item()
+            assert error <= 1e-9 * expected.abs().max().item(), f"{name}: {error}"
+
+
+def _bypassed_attention() -> None:
+    os.environ["WORLD_SIZE"] = "2"
+    batches, _ = make_batches("packed", 1)
+    module = SGDCausalLM(tiny_model("llama"))
+    module.model.set_attn_implementation("sdpa")  # the model no longer calls cp_attention
+    trainer = pl.Trainer(devices=2, strategy=CPZigzagStrategy(), max_steps=1, use_distributed_sampler=False,
+                         **TRAINER_OPTIONS)  # fmt: skip
+    trainer.fit(module, DataLoader(batches, batch_size=None))
+
+
+def test_a_model_that_bypasses_cp_attention_fails_on_every_rank():
+    assert_same_error_on_every_rank(
+        _bypassed_attention, 2, match="no cp_attention call", error_type="RuntimeError", init_process_group=False
+    )
+
+
+def _shard_local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=True).transpose(1, 2)
+
+
+def _module_that_bypasses_cp_attention() -> None:
+    os.environ["WORLD_SIZE"] = "2"
+    model = TinyTransformer(ATTENTION)
+    model.attention_fn = _shard_local_attention  # runs, but each rank attends within its own shard only
+    callbacks = [ContextParallelLayoutCallback(**POLICY)]
+    trainer = pl.Trainer(devices=2, strategy=CPZigzagStrategy(), max_steps=1, callbacks=callbacks, **TRAINER_OPTIONS)
+    trainer.fit(model, DataLoader(packed_batches(2), batch_size=None))
+
+
+def test_any_module_that_bypasses_cp_attention_fails_before_its_backward():
+    assert_same_error_on_every_rank(
+        _module_that_bypasses_cp_attention, 2, match="made no cp_attention call", error_type="RuntimeError",
+        init_process_group=False,
+    )  # fmt: skip
+
+
+def test_what_cannot_be_exact_is_refused():
+    model = tiny_model("mistral")
+    model.config.sliding_window = 4
+    module = HFCausalLM(model)
+    with pytest.raises(ValueError, match="sliding_window=4"):
+        module._loss(make_batches("packed", 1)[0][0])
+    padded = {
+        "input_ids": torch.ones(2, 5, dtype=torch.long),
+        "attention_mask": torch.tensor([[1] * 5, [1, 1, 1, 0, 0]]),
+    }
+    with pytest.raises(ValueError, match="attention_mask masks some tokens out"):
+        HFCausalLM(tiny_model("llama"))._loss(padded)
+    several = {"input_ids": torch.ones(2, 4, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 0, 1]] * 2)}
+    with pytest.raises(ValueError, match="several documents share a row"):
+        HFCausalLM(tiny_model("llama"))._loss(several)
