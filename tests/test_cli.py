@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_cp.train.runfolder import RUN_DIR_ENV, loss_series, read_metrics
+from lightning_cp.train.runfolder import read_metrics
+from tests.cli_helpers import SCRIPT, TIMEOUT, assert_same, cli_env, run_cli, run_losses
 
-SCRIPT = str(Path(sys.executable).parent / "lightning-cp")
 SHORT = [
     "trainer.max_steps=24",
     "trainer.val_check_interval=8",
@@ -26,34 +26,10 @@ SHORT = [
     "model.intermediate_size=176",
     "optim.warmup_steps=4",
 ]
-TIMEOUT = 240
-
-
-def _env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    env.pop(RUN_DIR_ENV, None)
-    return env
-
-
-def _run(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    return subprocess.run([SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=_env(), check=False)
-
-
-def _losses(run_dir: Path) -> tuple[tuple[list[int], list[float]], tuple[list[int], list[float]]]:
-    rows = read_metrics(run_dir / "metrics.csv")
-    return loss_series(rows, "train_loss"), loss_series(rows, "val_loss", step_column="trained_steps")
-
-
-def _assert_same(a: list[float], b: list[float], rel: float) -> None:
-    assert len(a) == len(b) and a
-    for x, y in zip(a, b, strict=True):
-        assert abs(x - y) <= rel * abs(y), (x, y)
-
-
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("runs")
-    result = _run("fit", *SHORT, f"run.root={root}", "run.name=full")
+    result = run_cli("fit", *SHORT, f"run.root={root}", "run.name=full")
     assert result.returncode == 0, result.stderr[-3000:]
     return root / "full"
 
@@ -64,7 +40,7 @@ def test_fit_writes_a_complete_run_folder_and_the_loss_falls(full_run: Path) -> 
     assert (full_run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     config = (full_run / "config.yaml").read_text()
     assert "max_steps: 24" in config and "name: full" in config
-    (steps, train), (val_steps, val) = _losses(full_run)
+    (steps, train), (val_steps, val) = run_losses(full_run)
     assert steps == list(range(24))
     assert val_steps == [0, 8, 16, 24]
     assert val[-1] < 0.75 * val[0] and sum(train[-4:]) < 0.75 * sum(train[:4])
@@ -72,21 +48,21 @@ def test_fit_writes_a_complete_run_folder_and_the_loss_falls(full_run: Path) -> 
 
 
 def test_validate_reports_the_checkpoint_loss(full_run: Path) -> None:
-    result = _run("validate", *SHORT, f"checkpoint.init_from={full_run}/checkpoints/last.ckpt")
+    result = run_cli("validate", *SHORT, f"checkpoint.init_from={full_run}/checkpoints/last.ckpt")
     assert result.returncode == 0, result.stderr[-3000:]
     reported = float(result.stdout.strip().splitlines()[-1].rsplit(":", 1)[1])
-    _assert_same([reported], [_losses(full_run)[1][1][-1]], rel=1e-6)
+    assert_same([reported], [run_losses(full_run)[1][1][-1]], rel=1e-6)
 
 
 def test_fine_tuning_starts_from_the_checkpoint_weights(full_run: Path) -> None:
     root = full_run.parent
     ckpt = full_run / "checkpoints" / "last.ckpt"
     overrides = ["trainer.max_steps=2", f"checkpoint.init_from={ckpt}", f"run.root={root}", "run.name=ft"]
-    result = _run("fit", *SHORT, *overrides)
+    result = run_cli("fit", *SHORT, *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
-    (steps, _), (val_steps, val) = _losses(root / "ft")
+    (steps, _), (val_steps, val) = run_losses(root / "ft")
     assert steps == [0, 1] and val_steps[0] == 0
-    _assert_same([val[0]], [_losses(full_run)[1][1][-1]], rel=1e-6)
+    assert_same([val[0]], [run_losses(full_run)[1][1][-1]], rel=1e-6)
 
 
 def test_checkpoint_or_data_that_does_not_fit_is_a_clear_error(full_run: Path, tmp_path: Path) -> None:
@@ -97,7 +73,7 @@ def test_checkpoint_or_data_that_does_not_fit_is_a_clear_error(full_run: Path, t
         ([f"run.root={tmp_path}", "run.name=none", "checkpoint.resume_from=last"], "checkpoint"),
     ]
     for overrides, message in cases:
-        result = _run("fit", *overrides)
+        result = run_cli("fit", *overrides)
         assert result.returncode == 2, result.stderr[-3000:]
         assert "Traceback" not in result.stderr and message in result.stderr
         assert result.stderr.count("\n") == 1
@@ -106,7 +82,7 @@ def test_checkpoint_or_data_that_does_not_fit_is_a_clear_error(full_run: Path, t
 
 def test_hybrid_policy_config_runs_with_one_conversion_per_layout_change(tmp_path: Path) -> None:
     overrides = ["model.num_layers=4", "trainer.max_steps=3", f"run.root={tmp_path}", "run.name=h"]
-    result = _run("fit", "--config", "hybrid", *SHORT, *overrides)
+    result = run_cli("fit", "--config", "hybrid", *SHORT, *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(tmp_path / "h" / "metrics.csv")
     assert {row["cp/layout_conversions"] for row in rows if row.get("cp/layout_conversions")} == {"4.0"}
@@ -119,7 +95,7 @@ def test_own_module_example_trains() -> None:
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
-        env=_env(),
+        env=cli_env(),
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -134,13 +110,13 @@ def test_resume_after_a_kill_continues_with_the_same_steps_and_losses(full_run: 
         [SCRIPT, "fit", *SHORT, f"run.root={root}", "run.name=killed"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env=_env(),
+        env=cli_env(),
         start_new_session=True,
     )
     deadline = time.monotonic() + TIMEOUT
     try:
         while time.monotonic() < deadline and process.poll() is None:
-            steps = _losses(killed)[0][0] if (killed / "metrics.csv").is_file() else []
+            steps = run_losses(killed)[0][0] if (killed / "metrics.csv").is_file() else []
             if steps and steps[-1] >= 13:
                 break
             time.sleep(0.05)
@@ -149,13 +125,13 @@ def test_resume_after_a_kill_continues_with_the_same_steps_and_losses(full_run: 
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
     assert torch.load(killed / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] in (12, 18)
-    result = _run("fit", *SHORT, f"run.root={root}", "run.name=killed", "checkpoint.resume_from=last")
+    result = run_cli("fit", *SHORT, f"run.root={root}", "run.name=killed", "checkpoint.resume_from=last")
     assert result.returncode == 0, result.stderr[-3000:]
-    (steps, train), (val_steps, val) = _losses(killed)
-    (full_steps, full_train), (full_val_steps, full_val) = _losses(full_run)
+    (steps, train), (val_steps, val) = run_losses(killed)
+    (full_steps, full_train), (full_val_steps, full_val) = run_losses(full_run)
     assert steps == full_steps and val_steps == full_val_steps
-    _assert_same(train, full_train, rel=1e-9)
-    _assert_same(val, full_val, rel=1e-9)
+    assert_same(train, full_train, rel=1e-9)
+    assert_same(val, full_val, rel=1e-9)
 
 
 def test_cp1_and_cp2_write_the_same_float64_losses(tmp_path: Path) -> None:
@@ -169,14 +145,14 @@ def test_cp1_and_cp2_write_the_same_float64_losses(tmp_path: Path) -> None:
     }
     for name, (devices, mode) in runs.items():
         overrides = [f"trainer.devices={devices}", f"strategy.context_parallel_size={devices}", *mode]
-        result = _run("fit", *parity, *overrides, f"run.root={tmp_path}", f"run.name={name}")
+        result = run_cli("fit", *parity, *overrides, f"run.root={tmp_path}", f"run.name={name}")
         assert result.returncode == 0, result.stderr[-3000:]
-    (steps1, train1), (val_steps1, val1) = _losses(tmp_path / "cp1")
+    (steps1, train1), (val_steps1, val1) = run_losses(tmp_path / "cp1")
     for name in ("cp2", "cp2-ulysses", "cp4-hybrid"):
-        (steps2, train2), (val_steps2, val2) = _losses(tmp_path / name)
+        (steps2, train2), (val_steps2, val2) = run_losses(tmp_path / name)
         assert steps1 == steps2 == list(range(6)) and val_steps1 == val_steps2 == [0, 3, 6]
-        _assert_same(train2, train1, rel=1e-9)
-        _assert_same(val2, val1, rel=1e-9)
+        assert_same(train2, train1, rel=1e-9)
+        assert_same(val2, val1, rel=1e-9)
     assert train1[0] != train1[-1]
 
 
@@ -195,7 +171,7 @@ def test_bad_config_gives_one_clear_line_and_exit_code_2(overrides: list[str], m
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
-        env=_env(),
+        env=cli_env(),
         check=False,
     )
     assert result.returncode == 2

@@ -17,17 +17,24 @@ from lightning_cp.train.data import (
     load_documents,
     pack_documents,
     split_documents,
+    tokenize_example,
 )
 from lightning_cp.train.data.packing import split_document
 
 
 def test_tokenizer_round_trips_unicode_and_appends_eos() -> None:
     tokenizer = ByteTokenizer()
-    ids = tokenizer.encode("héllo ✓")
-    assert ids[-1] == ByteTokenizer.eos_id == 256
+    ids, labels = tokenize_example(tokenizer, "héllo ✓")
+    assert ids[-1] == ByteTokenizer.eos_id == 256 and labels == ids
     assert max(ids[:-1]) < 256 and len(ids) == len("héllo ✓".encode()) + 1
     assert tokenizer.decode(ids) == "héllo ✓"
-    assert ByteTokenizer(add_eos=False).encode("ab") == [97, 98]
+    assert tokenizer.encode("ab") == [97, 98]
+
+
+def test_prompt_completion_examples_target_the_completion_only() -> None:
+    ids, labels = tokenize_example(ByteTokenizer(), {"prompt": "Q?", "completion": "A."})
+    assert ids == [*b"Q?A.", 256]
+    assert labels == [-100, -100, *b"A.", 256]
 
 
 def test_split_document_cuts_at_the_budget() -> None:
@@ -131,7 +138,8 @@ def test_datamodule_batches_follow_the_contract_and_resume_in_order() -> None:
     batches = list(dm.train_dataloader())
     assert len(batches) >= 30
     for batch in batches[:5]:
-        assert set(batch) == {"input_ids", "cu_seqlens"}
+        assert set(batch) == {"input_ids", "labels", "cu_seqlens"}
+        assert torch.equal(batch["labels"], batch["input_ids"]), "text documents: every token is a target"
         assert batch["input_ids"].shape[0] == 1 and batch["input_ids"].dtype == torch.long
         assert int(batch["cu_seqlens"][-1]) == batch["input_ids"].shape[1] <= 512
     dm.trainer = _fake_trainer(12)
@@ -146,4 +154,5 @@ def test_dense_mode_cuts_fixed_rows() -> None:
     dm = PackedTextDataModule(tokens_per_sample=128, samples_per_batch=3, packed=False)
     dm.setup("fit")
     batch = next(iter(dm.val_dataloader()))
-    assert set(batch) == {"input_ids"} and batch["input_ids"].shape == (3, 128)
+    assert set(batch) == {"input_ids", "labels"} and batch["input_ids"].shape == (3, 128)
+    assert torch.equal(batch["labels"], batch["input_ids"])

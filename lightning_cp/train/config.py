@@ -50,10 +50,21 @@ class RunConfig:
 
 
 @dataclass
+class ModelConfig(LlamaConfig):
+    """The built-in model's architecture, or ``pretrained``: a local Hugging Face folder (or hub name) to fine-tune."""
+
+    pretrained: str | None = None
+
+
+NOT_ARCHITECTURE = ("pretrained", "activation_checkpointing")
+
+
+@dataclass
 class DataConfig:
-    """Documents, validation split and packing."""
+    """Documents, validation split, tokenizer and packing."""
 
     sources: list[str] = field(default_factory=lambda: ["pydoc"])
+    tokenizer: str | None = None
     val_sources: list[str] | None = None
     val_fraction: float = 0.1
     split_seed: int = 0
@@ -135,7 +146,7 @@ class Config:
 
     seed: int = 1234
     run: RunConfig = field(default_factory=RunConfig)
-    model: LlamaConfig = field(default_factory=LlamaConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
@@ -270,6 +281,14 @@ def load_config(config_file: str | None = None, overrides: list[str] | tuple[str
         except OmegaConfBaseException as error:
             raise _explain(error, origin, layer) from None
     _check_values(cfg)
+    if cfg.model.pretrained:
+        for origin, layer in layers:
+            given = [key for key in (layer.get("model") or {}) if key not in NOT_ARCHITECTURE]
+            if given:
+                raise ConfigError(
+                    f"model.{given[0]} (from {origin}) is an architecture key of the built-in model, but "
+                    f"model.pretrained={cfg.model.pretrained} brings its own architecture: remove it"
+                )
     return cfg
 
 

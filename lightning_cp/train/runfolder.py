@@ -7,6 +7,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
@@ -21,6 +22,7 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.csv"
 PLOT_FILE = "loss.png"
 CHECKPOINT_DIR = "checkpoints"
+HF_DIR = "hf"
 LAST_CHECKPOINT = "last.ckpt"
 VAL_STEP = "trained_steps"
 
@@ -78,6 +80,19 @@ def save_config(cfg: DictConfig, run_dir: Path) -> Path:
     cfg.run.name = run_dir.name
     path = run_dir / CONFIG_FILE
     OmegaConf.save(cfg, path)
+    return path
+
+
+def save_pretrained(model: Any, tokenizer: Any, run_dir: Path) -> Path:
+    """Save a Hugging Face model (with its default attention, so plain ``transformers`` loads it) and tokenizer."""
+    path = run_dir / HF_DIR
+    implementation = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        model.save_pretrained(path)
+    finally:
+        model.set_attn_implementation(implementation)
+    tokenizer.save_pretrained(str(path))
     return path
 
 

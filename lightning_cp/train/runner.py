@@ -12,15 +12,23 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 from lightning_cp.lightning.callback import ContextParallelLayoutCallback
+from lightning_cp.lightning.module import CausalLMModule
 from lightning_cp.lightning.strategy import CPZigzagStrategy
 from lightning_cp.train import runfolder
 from lightning_cp.train.config import ConfigError, plain
-from lightning_cp.train.data import PackedTextDataModule
+from lightning_cp.train.data import ByteTokenizer, HFTokenizer, PackedTextDataModule
 from lightning_cp.train.data.sources import EMBEDDED
+from lightning_cp.train.data.tokenizer import Tokenizer
 from lightning_cp.train.models import LlamaLM
 
 
-def build_datamodule(cfg: DictConfig) -> PackedTextDataModule:
+def build_tokenizer(cfg: DictConfig) -> Tokenizer:
+    """Return ``data.tokenizer`` or the pretrained model's tokenizer, else the byte tokeniser of the built-in model."""
+    path = cfg.data.tokenizer or cfg.model.pretrained
+    return ByteTokenizer() if path is None else HFTokenizer(path)
+
+
+def build_datamodule(cfg: DictConfig, tokenizer: Tokenizer | None = None) -> PackedTextDataModule:
     """Return the packed-text datamodule of ``cfg.data``."""
     data = cfg.data
     return PackedTextDataModule(
@@ -34,14 +42,24 @@ def build_datamodule(cfg: DictConfig) -> PackedTextDataModule:
         shuffle=data.shuffle,
         seed=cfg.seed,
         num_workers=data.num_workers,
+        tokenizer=tokenizer or build_tokenizer(cfg),
     )
 
 
-def build_model(cfg: DictConfig) -> LlamaLM:
-    """Return the reference model of ``cfg.model`` and ``cfg.optim``, with weights from ``checkpoint.init_from``."""
+def build_model(cfg: DictConfig) -> CausalLMModule:
+    """Return the model of ``cfg.model`` (the built-in one, or ``pretrained``) with ``cfg.optim``, with weights from
+    ``checkpoint.init_from``."""
     optim = plain(cfg.optim)
     optim["betas"] = tuple(optim["betas"])
-    model = LlamaLM(**plain(cfg.model), **optim)
+    architecture = plain(cfg.model)
+    pretrained = architecture.pop("pretrained")
+    if pretrained:
+        from lightning_cp.lightning.hf import HFCausalLM
+
+        gradient_checkpointing = architecture["activation_checkpointing"]
+        model: CausalLMModule = HFCausalLM(pretrained, gradient_checkpointing=gradient_checkpointing, **optim)
+    else:
+        model = LlamaLM(**architecture, **optim)
     if cfg.checkpoint.init_from:
         model.load_state_dict(load_checkpoint_meta(cfg.checkpoint.init_from)["state_dict"])
     return model
@@ -124,15 +142,21 @@ def prepare_run(cfg: DictConfig) -> tuple[Path, str | None]:
 
 
 def fit(cfg: DictConfig) -> Path:
-    """Train (from scratch, from ``init_from`` or resuming ``resume_from``); return the run folder."""
+    """Train (from scratch, from ``init_from`` or resuming ``resume_from``); return the run folder.
+
+    A pretrained model is saved with its tokenizer in ``<run folder>/hf`` at the end, loadable by ``transformers``.
+    """
     run_dir, resume = prepare_run(cfg)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule = build_datamodule(cfg)
+    tokenizer = build_tokenizer(cfg)
+    datamodule = build_datamodule(cfg, tokenizer)
     model = build_model(cfg)
     trainer = build_trainer(cfg, run_dir)
     if resume is None:
         trainer.validate(model, datamodule=datamodule, verbose=False)
     trainer.fit(model, datamodule=datamodule, ckpt_path=resume)
+    if cfg.model.pretrained and trainer.is_global_zero:
+        runfolder.save_pretrained(model.model, tokenizer, run_dir)
     if trainer.is_global_zero:
         runfolder.plot_losses(run_dir)
         print(runfolder.summary(run_dir), flush=True)

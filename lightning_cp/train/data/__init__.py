@@ -5,10 +5,11 @@ from lightning_cp.train.data.datamodule import PackedTextDataModule
 from lightning_cp.train.data.packing import Pack, first_fit, pack_documents
 from lightning_cp.train.data.sampler import ResumableSampler
 from lightning_cp.train.data.sources import load_documents, split_documents
-from lightning_cp.train.data.tokenizer import ByteTokenizer
+from lightning_cp.train.data.tokenizer import ByteTokenizer, HFTokenizer, tokenize_example
 
 __all__ = [
     "ByteTokenizer",
+    "HFTokenizer",
     "Pack",
     "PackedTextDataModule",
     "ResumableSampler",
@@ -18,4 +19,5 @@ __all__ = [
     "load_documents",
     "pack_documents",
     "split_documents",
+    "tokenize_example",
 ]

@@ -10,7 +10,7 @@ from lightning_cp.train.data.packing import Pack
 
 
 def collate_packed(packs: Sequence[Pack]) -> dict[str, torch.Tensor]:
-    """Concatenate packs into one packed row: ``input_ids`` ``[1, T]`` and int32 ``cu_seqlens`` ``[n + 1]``."""
+    """Concatenate packs into one packed row: ``input_ids`` and ``labels`` ``[1, T]``, int32 ``cu_seqlens``."""
     offsets = [torch.zeros(1, dtype=torch.int32)]
     total = 0
     for pack in packs:
@@ -18,10 +18,11 @@ def collate_packed(packs: Sequence[Pack]) -> dict[str, torch.Tensor]:
         total += pack.num_tokens
     return {
         "input_ids": torch.cat([pack.input_ids for pack in packs]).unsqueeze(0),
+        "labels": torch.cat([pack.labels for pack in packs]).unsqueeze(0),
         "cu_seqlens": torch.cat(offsets).to(torch.int32),
     }
 
 
-def collate_dense(rows: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Stack equal-length token rows into a dense ``input_ids`` ``[B, S]`` batch."""
-    return {"input_ids": torch.stack(list(rows))}
+def collate_dense(rows: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack equal-length ``(ids, labels)`` rows into a dense ``[B, S]`` batch."""
+    return {"input_ids": torch.stack([ids for ids, _ in rows]), "labels": torch.stack([labels for _, labels in rows])}

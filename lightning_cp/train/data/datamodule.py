@@ -13,17 +13,26 @@ from lightning_cp.train.data.collate import collate_dense, collate_packed
 from lightning_cp.train.data.packing import pack_documents
 from lightning_cp.train.data.sampler import ResumableSampler
 from lightning_cp.train.data.sources import EMBEDDED, load_documents, split_documents
-from lightning_cp.train.data.tokenizer import ByteTokenizer
+from lightning_cp.train.data.tokenizer import ByteTokenizer, Tokenizer, tokenize_example
 
 
-def dense_rows(documents: Sequence[Sequence[int]], seq_len: int) -> list[torch.Tensor]:
-    """Concatenate documents and cut the stream into rows of ``seq_len`` tokens (the tail is dropped)."""
-    stream = torch.tensor([token for doc in documents for token in doc], dtype=torch.long)
-    return list(stream[: stream.numel() // seq_len * seq_len].view(-1, seq_len))
+def dense_rows(
+    documents: Sequence[Sequence[int]], seq_len: int, labels: Sequence[Sequence[int]] | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Concatenate documents (and labels) and cut the stream into rows of ``seq_len`` tokens (the tail is dropped)."""
+    labels = documents if labels is None else labels
+    rows = []
+    for values in (documents, labels):
+        stream = torch.tensor([token for doc in values for token in doc], dtype=torch.long)
+        rows.append(list(stream[: stream.numel() // seq_len * seq_len].view(-1, seq_len)))
+    return list(zip(*rows, strict=True))
 
 
 class PackedTextDataModule(pl.LightningDataModule):
-    """Tokenise documents, pack them into ``tokens_per_sample`` budgets and serve replica batches.
+    """Tokenise examples, pack them into ``tokens_per_sample`` budgets and serve replica batches.
+
+    ``tokenizer``: the byte tokeniser by default, or an ``HFTokenizer``; examples are text, ``{"text"}``,
+    ``{"prompt", "completion"}`` (targets: the completion) or ``{"messages"}`` (targets: the assistant turns).
 
     Every context-parallel rank of a data-parallel replica gets the same batch; batches are split over the
     data-parallel ranks only (``trainer.strategy.distributed_sampler_kwargs``), so run the Trainer with
@@ -42,6 +51,7 @@ class PackedTextDataModule(pl.LightningDataModule):
         shuffle: bool = True,
         seed: int = 0,
         num_workers: int = 0,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         super().__init__()
         self.sources = list(sources)
@@ -54,7 +64,7 @@ class PackedTextDataModule(pl.LightningDataModule):
         self.shuffle = shuffle
         self.seed = seed
         self.num_workers = num_workers
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = tokenizer or ByteTokenizer()
         self.train_samples: list = []
         self.val_samples: list = []
 
@@ -72,8 +82,10 @@ class PackedTextDataModule(pl.LightningDataModule):
 
     def _samples(self, documents: Sequence[str]) -> list:
         """Tokenise and pack (or cut into dense rows) a list of documents."""
-        ids = [self.tokenizer.encode(doc) for doc in documents]
-        return pack_documents(ids, self.tokens_per_sample) if self.packed else dense_rows(ids, self.tokens_per_sample)
+        ids, labels = zip(*(tokenize_example(self.tokenizer, doc) for doc in documents), strict=True) or ((), ())
+        if self.packed:
+            return pack_documents(ids, self.tokens_per_sample, labels)
+        return dense_rows(ids, self.tokens_per_sample, labels)
 
     def _replicas(self) -> tuple[int, int]:
         """Return ``(num_replicas, rank)`` of the data-parallel split."""

@@ -24,10 +24,11 @@ class Piece:
 
 @dataclass(frozen=True)
 class Pack:
-    """One packed sample: flat token ids and the int32 cumulative sequence offsets."""
+    """One packed sample: flat token ids, their unshifted labels (``-100``: no target) and int32 offsets."""
 
     input_ids: torch.Tensor
     cu_seqlens: torch.Tensor
+    labels: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
@@ -66,10 +67,21 @@ def cu_seqlens_of(lengths: Sequence[int]) -> torch.Tensor:
     return torch.tensor(offsets, dtype=torch.int32)
 
 
-def pack_documents(documents: Sequence[Sequence[int]], budget: int) -> list[Pack]:
-    """Pack token-id documents into samples of at most ``budget`` tokens (greedy first-fit, long ones split)."""
+def pack_documents(
+    documents: Sequence[Sequence[int]], budget: int, labels: Sequence[Sequence[int]] | None = None
+) -> list[Pack]:
+    """Pack token-id documents (and their labels, default: the ids) into samples of at most ``budget`` tokens
+    (greedy first-fit; a longer document is split into pieces, each its own document)."""
+    labels = documents if labels is None else labels
     packs = []
     for pieces in first_fit([len(doc) for doc in documents], budget):
         ids = [token for p in pieces for token in documents[p.doc][p.start : p.end]]
-        packs.append(Pack(torch.tensor(ids, dtype=torch.long), cu_seqlens_of([p.length for p in pieces])))
+        targets = [label for p in pieces for label in labels[p.doc][p.start : p.end]]
+        packs.append(
+            Pack(
+                torch.tensor(ids, dtype=torch.long),
+                cu_seqlens_of([p.length for p in pieces]),
+                torch.tensor(targets, dtype=torch.long),
+            )
+        )
     return packs

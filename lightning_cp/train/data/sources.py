@@ -1,4 +1,4 @@
-"""Document sources: the embedded Python documentation corpus, text files, folders and JSONL files."""
+"""Document sources: the embedded Python documentation corpus, text files, folders and JSONL files of examples."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import json
 import random
 from collections.abc import Sequence
 from pathlib import Path
+
+from lightning_cp.train.data.tokenizer import Example
 
 EMBEDDED = "pydoc"
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
@@ -19,21 +21,29 @@ def embedded_documents() -> list[str]:
     return list(dict.fromkeys(topics[name] for name in sorted(topics)))
 
 
-def read_jsonl(path: Path) -> list[str]:
-    """Return the ``"text"`` field of every record of a JSONL file."""
-    documents = []
+EXAMPLE_KEYS = ("text", "prompt", "messages")
+
+
+def read_jsonl(path: Path) -> list[Example]:
+    """Return the examples of a JSONL file: ``{"text"}``, ``{"prompt", "completion"}`` or ``{"messages"}`` records."""
+    documents: list[Example] = []
     with path.open(encoding="utf-8") as handle:
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
-            record = json.loads(line)
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise ValueError(f'{path}:{line_number}: expected a JSON object with a string "text" field')
-            documents.append(record["text"])
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{line_number}: not valid JSON ({error.msg})") from None
+            if not isinstance(record, dict) or not any(key in record for key in EXAMPLE_KEYS):
+                raise ValueError(
+                    f'{path}:{line_number}: expected a JSON object with "text", "prompt"/"completion" or "messages"'
+                )
+            documents.append(record["text"] if isinstance(record.get("text"), str) else record)
     return documents
 
 
-def read_path(path: Path) -> list[str]:
+def read_path(path: Path) -> list[Example]:
     """Return the documents of one file (a text file is one document) or of every text/JSONL file in a folder."""
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES)
@@ -47,15 +57,17 @@ def read_path(path: Path) -> list[str]:
     return [path.read_text(encoding="utf-8")]
 
 
-def load_documents(sources: Sequence[str]) -> list[str]:
-    """Return the documents of every source, in order; ``"pydoc"`` names the embedded corpus."""
-    documents: list[str] = []
+def load_documents(sources: Sequence[str]) -> list[Example]:
+    """Return the examples of every source, in order; ``"pydoc"`` names the embedded corpus."""
+    documents: list[Example] = []
     for source in sources:
         documents.extend(embedded_documents() if source == EMBEDDED else read_path(Path(source).expanduser()))
     return [doc for doc in documents if doc]
 
 
-def split_documents(documents: Sequence[str], val_fraction: float, seed: int) -> tuple[list[str], list[str]]:
+def split_documents(
+    documents: Sequence[Example], val_fraction: float, seed: int
+) -> tuple[list[Example], list[Example]]:
     """Hold out a seeded random ``val_fraction`` of the documents (at least one when the fraction is positive)."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")

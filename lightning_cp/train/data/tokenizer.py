@@ -1,24 +1,114 @@
-"""Byte-level tokeniser: UTF-8 bytes are the tokens, plus one end-of-document id; nothing to download."""
+"""Tokenisers: the built-in byte tokeniser, and any Hugging Face tokenizer behind the same small interface.
+
+An example becomes one document: ``tokenize_example`` returns its token ids and its (unshifted) labels, ``-100``
+where a token is no target: the prompt of a prompt/completion pair, every turn but the assistant's in a chat.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
+
+IGNORE_INDEX = -100
+Example = str | Mapping[str, Any]
+
+
+class Tokenizer(Protocol):
+    """What packing needs of a tokeniser."""
+
+    eos_id: int | None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Return the token ids of ``text`` (with the tokeniser's own special tokens unless told otherwise)."""
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Return the token ids of a conversation rendered by the chat template."""
 
 
 @dataclass(frozen=True)
 class ByteTokenizer:
-    """Map text to its UTF-8 bytes (ids 0..255) and optionally append ``eos_id`` (256)."""
-
-    add_eos: bool = True
+    """Map text to its UTF-8 bytes (ids 0..255); ``eos_id`` (256) ends every document."""
 
     eos_id = 256
     vocab_size = 257
 
-    def encode(self, text: str) -> list[int]:
-        """Return the token ids of ``text``."""
-        ids = list(text.encode("utf-8"))
-        return [*ids, self.eos_id] if self.add_eos else ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Return the UTF-8 bytes of ``text``."""
+        return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
         """Return the text of ``ids``, dropping special ids and invalid byte sequences."""
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Chats need a chat template, which bytes do not have."""
+        raise ValueError('{"messages": ...} examples need a tokenizer with a chat template: set model.pretrained')
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer (``AutoTokenizer.from_pretrained``) behind the ``Tokenizer`` interface."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.eos_id = self.tokenizer.eos_token_id
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Return ``tokenizer(text)["input_ids"]``."""
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Return the chat template's token ids of ``messages``."""
+        if not self.tokenizer.chat_template:
+            raise ValueError('{"messages": ...} examples need a tokenizer with a chat template; this one has none')
+        rendered = self.tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=True)
+        return list(rendered["input_ids"])
+
+    def save_pretrained(self, path: str) -> None:
+        """Save the tokenizer files next to a saved model."""
+        self.tokenizer.save_pretrained(path)
+
+
+def _with_eos(ids: list[int], labels: list[int], eos_id: int | None) -> tuple[list[int], list[int]]:
+    """Append the end-of-document id (a target) unless there is none or the ids already end with it."""
+    if eos_id is None or (ids and ids[-1] == eos_id):
+        return ids, labels
+    return [*ids, eos_id], [*labels, eos_id]
+
+
+def _chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]]) -> tuple[list[int], list[int]]:
+    """Render a conversation turn by turn; the tokens each assistant turn adds are the targets."""
+    ids: list[int] = []
+    labels: list[int] = []
+    for turn in range(1, len(messages) + 1):
+        rendered = tokenizer.render_chat(messages[:turn])
+        if rendered[: len(ids)] != ids:
+            raise ValueError("the chat template does not render a conversation's turns as prefixes of each other")
+        added = rendered[len(ids) :]
+        target = messages[turn - 1].get("role") == "assistant"
+        ids, labels = rendered, [*labels, *(added if target else [IGNORE_INDEX] * len(added))]
+    return ids, labels
+
+
+def tokenize_example(tokenizer: Tokenizer, example: Example, where: str = "") -> tuple[list[int], list[int]]:
+    """Return the token ids and labels of one example: text, ``{"text"}``, ``{"prompt", "completion"}`` or
+    ``{"messages"}``; ``where`` names its file and line in errors."""
+    if isinstance(example, str):
+        example = {"text": example}
+    if isinstance(example.get("text"), str):
+        ids = tokenizer.encode(example["text"])
+        return _with_eos(ids, list(ids), tokenizer.eos_id)
+    if isinstance(example.get("prompt"), str) and isinstance(example.get("completion"), str):
+        prompt = tokenizer.encode(example["prompt"])
+        completion = tokenizer.encode(example["completion"], add_special_tokens=False)
+        return _with_eos([*prompt, *completion], [IGNORE_INDEX] * len(prompt) + completion, tokenizer.eos_id)
+    messages = example.get("messages")
+    if isinstance(messages, list) and messages and all(isinstance(m, Mapping) for m in messages):
+        ids, labels = _chat(tokenizer, messages)
+        return _with_eos(ids, labels, tokenizer.eos_id)
+    raise ValueError(
+        f'{where or "example"}: expected {{"text": ...}}, {{"prompt": ..., "completion": ...}} or '
+        f'{{"messages": [...]}}, got keys {sorted(example)}'
+    )

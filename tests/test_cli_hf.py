@@ -1,0 +1,114 @@
+"""``lightning-cp fit model.pretrained=DIR``: a tiny Hugging Face model and tokenizer made here, nothing downloaded."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from lightning_cp.train.runfolder import read_metrics
+from tests.cli_helpers import assert_same, run_cli, run_losses
+
+WORDS = "the a cat dog sat ran on under mat log why how what is did yes no it there here".split()  # noqa: SIM905
+CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+PROMPTS = [
+    {"prompt": "what did the cat do", "completion": "it sat on the mat"},
+    {"prompt": "how is the dog", "completion": "the dog ran under the log"},
+    {"prompt": "why is it there", "completion": "it is here yes"},
+]
+VAL = [{"prompt": "what is the dog", "completion": "a dog sat there"}, {"prompt": "is it", "completion": "no"}]
+CHATS = [
+    {"messages": [{"role": "user", "content": "how is the cat"}, {"role": "assistant", "content": "the cat sat"}]},
+    {"messages": [{"role": "user", "content": "why"}, {"role": "assistant", "content": "no"},
+                  {"role": "user", "content": "what"}, {"role": "assistant", "content": "the log"}]},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    """A word-level tokenizer with a chat template and a tiny float32 Llama, saved as a Hugging Face folder."""
+    folder = tmp_path_factory.mktemp("pretrained")
+    specials = ["[UNK]", "<s>", "</s>", "<|user|>", "<|assistant|>"]
+    word_level = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    word_level.train_from_iterator([" ".join(WORDS)] * 3, trainers.WordLevelTrainer(special_tokens=specials))
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=word_level, unk_token="[UNK]", bos_token="<s>", eos_token="</s>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def _write(path: Path, records: list[dict]) -> str:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return str(path)
+
+
+def _independent_val_loss(folder: Path) -> float:
+    """Step-0 validation loss by hand: the unmodified model, each example alone, targets = completion + eos."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float64)
+    total, count = 0.0, 0
+    for example in VAL:
+        prompt = tokenizer(example["prompt"])["input_ids"]
+        completion = tokenizer(example["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids = torch.tensor([prompt + completion])
+        logits = model(ids).logits[0, len(prompt) - 1 : -1]
+        total += F.cross_entropy(logits, torch.tensor(completion), reduction="sum").item()
+        count += len(completion)
+    return total / count
+
+
+def test_fine_tuning_a_pretrained_folder(pretrained: Path, tmp_path: Path) -> None:
+    """cp=1 and cp=2 write the same float64 losses on prompt/completion and chat data; the step-0 validation loss
+    is the unmodified model's; ``hf/`` reloads in plain transformers with the trained weights."""
+    sources = f"data.sources=[{_write(tmp_path / 'p.jsonl', PROMPTS)},{_write(tmp_path / 'c.jsonl', CHATS)}]"
+    common = [
+        f"model.pretrained={pretrained}", sources, f"data.val_sources=[{_write(tmp_path / 'v.jsonl', VAL)}]",
+        "data.tokens_per_sample=32", "trainer.max_steps=4", "trainer.val_check_interval=2",
+        "trainer.precision=64-true", "checkpoint.every_n_steps=2", "optim.lr=1e-2", "optim.warmup_steps=1",
+        f"run.root={tmp_path}",
+    ]  # fmt: skip
+    for name, devices in (("cp1", 1), ("cp2", 2)):
+        cp = [f"trainer.devices={devices}", f"strategy.context_parallel_size={devices}", f"run.name={name}"]
+        result = run_cli("fit", *common, *cp)
+        assert result.returncode == 0, result.stderr[-3000:]
+    (steps1, train1), (val_steps1, val1) = run_losses(tmp_path / "cp1")
+    (steps2, train2), (val_steps2, val2) = run_losses(tmp_path / "cp2")
+    assert steps1 == steps2 == list(range(4)) and val_steps1 == val_steps2 == [0, 2, 4]
+    assert_same(train2, train1, rel=1e-9)
+    assert_same(val2, val1, rel=1e-9)
+    assert abs(val1[0] - _independent_val_loss(pretrained)) <= 1e-9 * val1[0]
+    assert read_metrics(tmp_path / "cp2" / "metrics.csv")
+    reload = (
+        "import sys, torch, transformers\n"
+        "assert 'lightning_cp' not in sys.modules\n"
+        "model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+        "transformers.AutoTokenizer.from_pretrained(sys.argv[1])\n"
+        "torch.save(model.state_dict(), sys.argv[2])\n"
+    )
+    saved = tmp_path / "reloaded.pt"
+    subprocess.run([sys.executable, "-c", reload, str(tmp_path / "cp2" / "hf"), str(saved)], check=True)
+    reloaded = torch.load(saved)
+    trained = torch.load(tmp_path / "cp2" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    for name, value in reloaded.items():
+        assert torch.equal(value.to(torch.float64), trained[f"model.{name}"].to(torch.float64)), name
+
+
+def test_architecture_keys_next_to_a_pretrained_model_are_an_error(pretrained: Path) -> None:
+    result = run_cli("fit", f"model.pretrained={pretrained}", "model.num_layers=3")
+    assert result.returncode == 2 and "model.num_layers" in result.stderr and "remove it" in result.stderr
