@@ -97,16 +97,21 @@ def test_fine_tuning_a_pretrained_folder(pretrained: Path, tmp_path: Path) -> No
     reload = (
         "import sys, torch, transformers\n"
         "assert 'lightning_cp' not in sys.modules\n"
-        "model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
-        "transformers.AutoTokenizer.from_pretrained(sys.argv[1])\n"
-        "torch.save(model.state_dict(), sys.argv[2])\n"
+        "model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float64)\n"
+        "tokenizer = transformers.AutoTokenizer.from_pretrained(sys.argv[1])\n"
+        "ids = torch.tensor([tokenizer('the cat sat on the mat')['input_ids']])\n"
+        "torch.save({'weights': model.state_dict(), 'logits': model(ids).logits, 'ids': ids}, sys.argv[2])\n"
     )
     saved = tmp_path / "reloaded.pt"
     subprocess.run([sys.executable, "-c", reload, str(tmp_path / "cp2" / "hf"), str(saved)], check=True)
     reloaded = torch.load(saved)
     trained = torch.load(tmp_path / "cp2" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
-    for name, value in reloaded.items():
-        assert torch.equal(value.to(torch.float64), trained[f"model.{name}"].to(torch.float64)), name
+    for name, value in reloaded["weights"].items():
+        assert torch.equal(value, trained[f"model.{name}"].to(torch.float64)), name
+    model = transformers.AutoModelForCausalLM.from_pretrained(pretrained, torch_dtype=torch.float64)
+    model.load_state_dict({name.removeprefix("model."): value for name, value in trained.items()})
+    # the same weights in another process (maybe another thread count): equal up to float64 summation order
+    torch.testing.assert_close(model(reloaded["ids"]).logits, reloaded["logits"], rtol=1e-12, atol=1e-12)
 
 
 def test_architecture_keys_next_to_a_pretrained_model_are_an_error(pretrained: Path) -> None:

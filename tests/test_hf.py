@@ -139,6 +139,10 @@ RUNS = [
     ("qwen3", "flattening", 2, {}, True),
     ("mistral", "packed", 2, {}, False),
     ("qwen3", "packed", 4, {"attention_mode": "ring"}, False),
+    ("qwen3", "dense", 2, {"attention_mode": "ring"}, False),
+    ("llama", "packed", 4, {}, False),
+    ("qwen2", "flattening", 4, {}, True),
+    ("mistral", "packed", 4, {"attention_mode": "ring"}, False),
     ("llama", "flattening", 4, {"attention_mode": "ulysses"}, False),
 ]
 

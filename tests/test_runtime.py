@@ -76,3 +76,27 @@ def test_plain_loop_matches_one_process_with_any_recomputation(checkpoint: str) 
         for name, expected in reference_weights.items():
             error = (torch.from_numpy(result["weights"][name]) - expected).abs().max().item()
             assert error <= 1e-9 * expected.abs().max().item(), f"{name}: max error {error}"
+
+
+class _TakesExtra(torch.nn.Module):
+    def forward(self, h: torch.Tensor, *, extra: object) -> torch.Tensor:
+        return h
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _TakesExtra()
+
+
+def test_a_side_input_that_is_not_per_token_is_an_error():
+    """A named side input must be a tensor or a tuple/list of tensors; anything else is refused, never skipped."""
+    model = _Holder()
+    runtime = ContextParallelRuntime(ContextParallelSetting(), LayerPolicy(("block",), (), ("extra",)))
+    runtime.wrap(model)
+    batch = {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
+    with runtime.step(batch), pytest.raises(TypeError, match="side input 'extra' is a dict"):
+        model.block(torch.zeros(1, 4, 2), extra={"not": "per token"})
+    with runtime.step(dict(batch)):
+        cos_sin = (torch.zeros(1, 4, 2), torch.ones(1, 4, 2))
+        assert model.block(torch.zeros(1, 4, 2), extra=cos_sin).shape == (1, 4, 2)
