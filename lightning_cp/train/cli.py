@@ -14,7 +14,8 @@ COMMANDS = {
 }
 DESCRIPTION = "Train, fine-tune and validate a model with context parallelism (strategy cp_zigzag)."
 EPILOG = """configuration: built-in defaults, then --config FILE (a path or a packaged name: default, cp4_cpu, gpu,
-hybrid, sft_gpu), then dotted overrides such as trainer.max_steps=100 model.hidden_size=256 checkpoint.resume_from=last."""
+hybrid, sft_gpu), then dotted overrides such as trainer.max_steps=100 model.hidden_size=256
+checkpoint.resume_from=last."""
 
 
 def parser() -> argparse.ArgumentParser:
