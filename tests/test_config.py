@@ -102,3 +102,11 @@ def test_a_choice_given_as_a_number_finds_its_spelling(tmp_path) -> None:
     path.write_text("trainer:\n  precision: 32\n")
     assert plain(load_config(str(path)).trainer)["precision"] == "32"
     assert plain(load_config(None, ["trainer.precision=32"]).trainer)["precision"] == "32"
+
+
+def test_a_pretrained_model_takes_saved_configs_but_no_changed_architecture() -> None:
+    """The built-in defaults (``default.yaml``, a run's ``config.yaml``) may sit next to ``model.pretrained``; a changed
+    architecture key may not."""
+    assert load_config("default", ["model.pretrained=/some/folder"]).model.pretrained == "/some/folder"
+    with pytest.raises(ConfigError, match="model.hidden_size .from the command line. is an architecture key"):
+        load_config("default", ["model.pretrained=/some/folder", "model.hidden_size=64"])

@@ -156,3 +156,9 @@ def test_dense_mode_cuts_fixed_rows() -> None:
     batch = next(iter(dm.val_dataloader()))
     assert set(batch) == {"input_ids", "labels"} and batch["input_ids"].shape == (3, 128)
     assert torch.equal(batch["labels"], batch["input_ids"])
+
+
+def test_no_validation_documents_when_val_fraction_is_zero() -> None:
+    dm = PackedTextDataModule(tokens_per_sample=256, val_fraction=0.0)
+    dm.setup("fit")
+    assert dm.train_samples and dm.val_samples == []

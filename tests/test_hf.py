@@ -212,3 +212,9 @@ def test_what_cannot_be_exact_is_refused():
     several = {"input_ids": torch.ones(2, 4, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 0, 1]] * 2)}
     with pytest.raises(ValueError, match="several documents share a row"):
         HFCausalLM(tiny_model("llama"))._loss(several)
+
+
+def test_auto_mode_reads_the_head_counts_of_a_wrapped_hf_model():
+    from lightning_cp.core.attention.cost import model_head_counts
+
+    assert model_head_counts(HFCausalLM(tiny_model("llama"))) == (4, 2)

@@ -53,9 +53,9 @@ def cp_attention(
 ) -> torch.Tensor:
     """Attention for model code on batch-first ``[B, S_local, H, D]`` shards (packed: ``B == 1``).
 
-    Under an active CP step it runs zigzag attention over the CP group with the step's attention mode and geometry,
-    converting q/k/v to zigzag (and the output back) when the layer it runs in is not zigzag. Without CP it is
-    single-device attention, masked per document for packed batches.
+    Under an active CP step it runs CP attention over the CP group with the step's attention mode and geometry,
+    converting q/k/v to zigzag (and the output back) when the layer it runs in is not zigzag (``ulysses`` takes any
+    layout and converts nothing). Without CP it is single-device attention, masked per document for packed batches.
     """
     step = active_step()
     if step is not None:

@@ -142,6 +142,7 @@ class ContextParallelRuntime:
         self._hook_handles.clear()
         self._wrapped_model = None
         self._manager = None
+        self._latest_step = None
 
     def begin_step(self, batch: MutableMapping[str, Any]) -> tuple[ContextParallelStep, ShardedBatch]:
         """Shard ``batch`` in place (this rank's contiguous shard, in the boundary layout), build its step, activate it.

@@ -67,7 +67,8 @@ class HFCausalLM(CausalLMModule):
         model_or_path: a model instance, or a local folder (or hub name) for ``from_pretrained``.
         lr, weight_decay, betas, warmup_steps, min_lr_ratio: AdamW with linear warm-up and cosine decay.
         gradient_checkpointing: call the model's ``gradient_checkpointing_enable()``.
-        **from_pretrained: keyword arguments of ``from_pretrained`` (``torch_dtype``, ...).
+        **from_pretrained: keyword arguments of ``from_pretrained``; ``dtype`` defaults to float32 (the weights
+            train in it; ``bf16-mixed`` computes in bf16), not the checkpoint's own dtype.
 
     The model is switched to the ``"lightning_cp"`` attention; labels are never passed to it (the batch's are already
     shifted per document), the loss is ``cp_cross_entropy`` on its logits.
@@ -86,6 +87,7 @@ class HFCausalLM(CausalLMModule):
     ) -> None:
         super().__init__()
         if isinstance(model_or_path, str):
+            from_pretrained.setdefault("dtype", torch.float32)  # trainable weights; the Trainer's precision casts
             model = AutoModelForCausalLM.from_pretrained(
                 model_or_path, attn_implementation=ATTENTION_NAME, **from_pretrained
             )

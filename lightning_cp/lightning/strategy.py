@@ -88,11 +88,11 @@ class CPZigzagStrategy(DDPStrategy):
             raise ValueError(f"attention_mode={attention_mode!r} is invalid: expected one of {expected}")
         hybrid = attention_mode == AttentionMode.HYBRID.value
         bad_size = isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 2
-        mismatch = hybrid != (ulysses_size is not None) and attention_mode != "auto"
+        mismatch = hybrid != (ulysses_size is not None)
         if mismatch or (ulysses_size is not None and bad_size):
             raise ValueError(
                 f"attention_mode={attention_mode!r} with ulysses_size={ulysses_size!r}: 'hybrid' needs an integer "
-                "ulysses_size >= 2, the other modes take none"
+                "ulysses_size >= 2, the other modes take none ('auto' picks its own)"
             )
         if hybrid and sequence_parallel:
             raise ValueError("attention_mode='hybrid' does not combine with sequence_parallel=True")
@@ -131,7 +131,8 @@ class CPZigzagStrategy(DDPStrategy):
 
     @property
     def device_mesh(self) -> Any:
-        """Return the ``DeviceMesh`` with dimensions ``data_parallel``, ``context_parallel``, ``tensor_parallel``."""
+        """Return the ``DeviceMesh`` with dimensions ``data_parallel``, ``context_parallel``, ``tensor_parallel``
+        (under ``hybrid``, ``context_parallel`` is flattened from ``context_parallel_ring`` x ``..._ulysses``)."""
         return self.cp_mesh.device_mesh
 
     @property

@@ -282,8 +282,10 @@ def load_config(config_file: str | None = None, overrides: list[str] | tuple[str
             raise _explain(error, origin, layer) from None
     _check_values(cfg)
     if cfg.model.pretrained:
+        defaults = OmegaConf.structured(ModelConfig)
         for origin, layer in layers:
-            given = [key for key in (layer.get("model") or {}) if key not in NOT_ARCHITECTURE]
+            model_layer = layer.get("model") or {}
+            given = [key for key in model_layer if key not in NOT_ARCHITECTURE and model_layer[key] != defaults[key]]
             if given:
                 raise ConfigError(
                     f"model.{given[0]} (from {origin}) is an architecture key of the built-in model, but "

@@ -36,7 +36,15 @@ from lightning_cp.core.attention.kernels import (
     new_accumulator,
 )
 from lightning_cp.core.packed import PackedSeqParams, host_offsets
-from lightning_cp.core.zigzag import LAYOUT_NAMES, CPLayout, RankTokens, ZigzagGeometry, check_offsets
+from lightning_cp.core.zigzag import (
+    LAYOUT_NAMES,
+    CPLayout,
+    RankTokens,
+    ZigzagGeometry,
+    check_offsets,
+    padded_length,
+    zigzag_padded_lengths,
+)
 
 logger = logging.getLogger("lightning_cp.core.attention.api")
 
@@ -84,16 +92,19 @@ def attention_work_per_rank(
         raise ValueError(f"layout={layout!r}; expected 'zigzag' or 'contiguous'")
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not supported; expected one of {MODES}")
-    ulysses = {AttentionMode.ULYSSES.value: cp_size, AttentionMode.HYBRID.value: ulysses_size or 1}.get(mode, 1)
+    if mode == AttentionMode.HYBRID.value and not (isinstance(ulysses_size, int) and ulysses_size > 1):
+        raise ValueError(f"mode='hybrid' needs an integer ulysses_size >= 2, got {ulysses_size!r}")
+    ulysses = {AttentionMode.ULYSSES.value: cp_size, AttentionMode.HYBRID.value: ulysses_size}.get(mode, 1)
     if cp_size % ulysses:
         raise ValueError(f"ulysses_size={ulysses_size} does not divide cp_size={cp_size}")
-    ranks = cp_size // ulysses
+    ranks, split = (cp_size // ulysses, ulysses) if mode == AttentionMode.HYBRID.value else (cp_size // ulysses, 1)
     if seq_len is not None:
         if seq_len < 0:
             raise ValueError(f"seq_len={seq_len}; expected a non-negative int")
-        geometry = ZigzagGeometry.dense(ranks, int(seq_len))
+        geometry = ZigzagGeometry.dense(ranks, int(seq_len), padded_length(int(seq_len), 2 * ranks * split))
     else:
-        geometry = ZigzagGeometry.packed(ranks, check_offsets("cu_seqlens", cu_seqlens).tolist())
+        lengths = check_offsets("cu_seqlens", cu_seqlens)
+        geometry = ZigzagGeometry.packed(ranks, lengths.tolist(), zigzag_padded_lengths(lengths, ranks, split).tolist())
     work = geometry.work_per_rank(causal, layout)
     return [pairs / ulysses for pairs in work for _ in range(ulysses)]
 
@@ -169,7 +180,7 @@ def attend_on_shards(
         tokens = geometry.gathered_tokens(layout, stream_length)
         attend = functools.partial(_attend_whole_sequence, tokens=tokens, packed=packed, causal=causal, scale=scale,
                                    kernel_name=kernel_name)  # fmt: skip
-        return head_parallel(q, k, v, cp_group, mode, attend)
+        return attend(q, k, v) if cp_group is None else head_parallel(q, k, v, cp_group, mode, attend)
     if mode == AttentionMode.HYBRID.value:
         plan, perm = _block_plan(geometry, ring_group.rank(), causal, q.device)
         attend = functools.partial(context_parallel_attention, cp_group=ring_group, plan=plan, perm=perm,
@@ -359,7 +370,7 @@ def _flash_attention(
     q_tokens = qi.permute(0, 2, 1, 3).reshape(batch * local, heads, dim)
     kv_tokens = kv_all.permute(1, 2, 0, 4, 3, 5).reshape(2, batch * len(tokens) * local, *kv_all.shape[3:4], dim)
     out = torch.zeros_like(q_tokens)
-    for rows, keys, cu_q, cu_k, max_q, max_k in _varlen_pieces(tokens, rank, causal, batch, q.device):
+    for rows, keys, cu_q, cu_k, max_q, max_k in _varlen_pieces(tuple(tokens), rank, causal, batch, q.device):
         piece = varlen(
             q_tokens[rows], kv_tokens[0, keys], kv_tokens[1, keys], cu_q, cu_k, max_q, max_k,
             dropout_p=0.0, softmax_scale=scale, causal=causal,
@@ -369,10 +380,12 @@ def _flash_attention(
     return _from_internal(out, packed, perm)
 
 
+@functools.lru_cache(maxsize=4)
 def _varlen_pieces(
     tokens: Sequence[RankTokens], rank: int, causal: bool, batch: int, device: torch.device
 ) -> list[tuple[Tensor, Tensor, Tensor, Tensor, int, int]]:
-    """Per query half with valid tokens: query rows, key rows (document order), cu_seqlens, max lengths."""
+    """Per query half with valid tokens: query rows, key rows (document order), cu_seqlens, max lengths; built once
+    per batch layout (every layer and the backward reuse it, no host work per layer)."""
     doc_all, pos_all = torch.cat([t.doc for t in tokens]), torch.cat([t.pos for t in tokens])
     valid_keys = torch.nonzero(doc_all >= 0).squeeze(1)
     lengths = torch.bincount(doc_all[valid_keys], minlength=int(doc_all.max()) + 1)

@@ -1,9 +1,10 @@
 """The communication cost of each attention mode, exactly as the implementation sends it, and the mode it suggests.
 
 ``bytes_sent_per_layer`` is what one rank sends to other ranks for one attention layer, forward plus backward (the
-benchmark counts the real collectives and checks them against it). All modes scale linearly in the tokens, the head
-dimension and the element size, so the cheapest mode depends only on cp and the head counts: ``choose_attention_mode``
-picks it. Ring sends more than all-gather (it trades bytes, hidden behind compute, for not holding every rank's K/V);
+tests count the real collectives and check them against it). All modes scale linearly in the tokens and the head
+dimension, so for equal element sizes the cheapest mode depends only on cp and the head counts, and
+``choose_attention_mode`` picks it (under bf16 the ring's float32 dK/dV make ring and hybrid a little dearer than it
+assumes). Ring sends more than all-gather: it trades bytes, hidden behind compute, for not holding every rank's K/V;
 choose it explicitly when the gathered K/V do not fit.
 """
 
@@ -67,14 +68,15 @@ def choose_attention_mode(cp_size: int, heads: int, kv_heads: int) -> tuple[str,
 
 
 def model_head_counts(model: object) -> tuple[int, int] | None:
-    """Find ``(query heads, key/value heads)`` of a model's attention: a module with ``num_heads`` and
-    ``num_kv_heads`` (or ``num_key_value_heads``), or a Hugging Face ``config``; ``None`` when there is neither."""
-    config = getattr(model, "config", None)
-    if isinstance(getattr(config, "num_attention_heads", None), int):
-        heads = config.num_attention_heads
-        return heads, getattr(config, "num_key_value_heads", None) or heads
-    modules = model.modules() if hasattr(model, "modules") else ()
+    """Find ``(query heads, key/value heads)`` of a model's attention: the first module (the model itself, or a
+    wrapped Hugging Face model) with a ``config`` naming them, or with ``num_heads`` and ``num_kv_heads``; ``None``
+    when there is neither."""
+    modules = model.modules() if hasattr(model, "modules") else (model,)
     for module in modules:
+        config = getattr(module, "config", None)
+        if isinstance(getattr(config, "num_attention_heads", None), int):
+            heads = config.num_attention_heads
+            return heads, getattr(config, "num_key_value_heads", None) or heads
         heads = getattr(module, "num_heads", None)
         kv_heads = getattr(module, "num_kv_heads", None) or getattr(module, "num_key_value_heads", None)
         if isinstance(heads, int) and isinstance(kv_heads, int):

@@ -84,7 +84,7 @@ def head_parallel(q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup, mode: st
     return _gather_heads(attend(gathered_q, gathered_k, gathered_v), group, size)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=2)
 def natural_order_plan(
     tokens: RankTokens, causal: bool, device: torch.device
 ) -> tuple[BlockPlan, RankTokens, Tensor | None, Tensor | None]:

@@ -82,7 +82,8 @@ class PackedTextDataModule(pl.LightningDataModule):
 
     def _samples(self, documents: Sequence[str]) -> list:
         """Tokenise and pack (or cut into dense rows) a list of documents."""
-        ids, labels = zip(*(tokenize_example(self.tokenizer, doc) for doc in documents), strict=True) or ((), ())
+        examples = [tokenize_example(self.tokenizer, doc, f"example {index}") for index, doc in enumerate(documents)]
+        ids, labels = [pair[0] for pair in examples], [pair[1] for pair in examples]
         if self.packed:
             return pack_documents(ids, self.tokens_per_sample, labels)
         return dense_rows(ids, self.tokens_per_sample, labels)

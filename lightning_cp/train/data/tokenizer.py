@@ -94,7 +94,7 @@ def _chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]]) -> tuple[
 
 def tokenize_example(tokenizer: Tokenizer, example: Example, where: str = "") -> tuple[list[int], list[int]]:
     """Return the token ids and labels of one example: text, ``{"text"}``, ``{"prompt", "completion"}`` or
-    ``{"messages"}``; ``where`` names its file and line in errors."""
+    ``{"messages"}``; ``where`` names the example in errors."""
     if isinstance(example, str):
         example = {"text": example}
     if isinstance(example.get("text"), str):
@@ -107,6 +107,8 @@ def tokenize_example(tokenizer: Tokenizer, example: Example, where: str = "") ->
     messages = example.get("messages")
     if isinstance(messages, list) and messages and all(isinstance(m, Mapping) for m in messages):
         ids, labels = _chat(tokenizer, messages)
+        if tokenizer.eos_id in ids:  # the template marks the turns' ends itself (ChatML's <|im_end|>\n)
+            return ids, labels
         return _with_eos(ids, labels, tokenizer.eos_id)
     raise ValueError(
         f'{where or "example"}: expected {{"text": ...}}, {{"prompt": ..., "completion": ...}} or '
