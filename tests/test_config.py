@@ -110,3 +110,38 @@ def test_a_pretrained_model_takes_saved_configs_but_no_changed_architecture() ->
     assert load_config("default", ["model.pretrained=/some/folder"]).model.pretrained == "/some/folder"
     with pytest.raises(ConfigError, match="model.hidden_size .from the command line. is an architecture key"):
         load_config("default", ["model.pretrained=/some/folder", "model.hidden_size=64"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["optim.lr=-1"], r"optim.lr: got -1.0; expected a number in \(0, 10\]"),
+        (["optim.lr=0"], r"optim.lr: got 0.0"),
+        (["optim.lr=1e9"], r"optim.lr: got 1000000000.0"),
+        (["optim.betas=[2.0,0.95]"], r"optim.betas: got \[2.0, 0.95\]"),
+        (["optim.warmup_steps=-3"], r"warmup_steps=-3"),
+        (["trainer.max_steps=-5"], r"trainer.max_steps: got -5"),
+        (["trainer.max_steps=0"], r"trainer.max_steps: got 0"),
+        (["trainer.val_check_interval=0"], r"trainer.val_check_interval: got 0"),
+        (["model.num_heads=3"], r"num_heads=3.*expected hidden_size divisible by num_heads"),
+        (["model.num_kv_heads=3"], r"num_kv_heads=3"),
+        (["model.vocab_size=10"], r"model.vocab_size: got 10; the byte tokenizer needs at least 257"),
+        (["checkpoint.save_top_k=-2"], r"checkpoint.save_top_k: got -2; expected -1 \(keep every"),
+        (["strategy.sequence_parallel=true"], r"sequence_parallel: true needs strategy.tensor_parallel_size > 1"),
+        (["strategy.data_parallel_size=foo"], r"strategy.data_parallel_size: got 'foo'"),
+        (["run.name=../x"], r"run.name='../x': expected a plain folder name"),
+    ],
+)
+def test_values_that_cannot_train_are_config_errors(overrides: list[str], expected: str) -> None:
+    from lightning_cp.train.runfolder import check_run_name
+
+    with pytest.raises(ConfigError, match=expected):
+        cfg = load_config(None, overrides)
+        check_run_name(cfg.run.name or "fine")
+
+
+def test_a_yaml_list_is_not_a_configuration(tmp_path) -> None:
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="not a YAML mapping of sections"):
+        load_config(str(path))

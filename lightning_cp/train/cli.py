@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from lightning_cp.train.config import ConfigError, load_config, to_yaml
@@ -12,6 +13,7 @@ COMMANDS = {
     "validate": "report the validation loss of checkpoint.init_from (or checkpoint.resume_from)",
     "print-config": "print the merged configuration",
 }
+TRACEBACK_ENV = "LIGHTNING_CP_TRACEBACK"
 DESCRIPTION = "Train, fine-tune and validate a model with context parallelism (strategy cp_zigzag)."
 EPILOG = """configuration: built-in defaults, then --config FILE (a path or a packaged name: default, cp4_cpu, gpu,
 hybrid, sft_gpu), then dotted overrides such as trainer.max_steps=100 model.hidden_size=256
@@ -44,4 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as error:
         print(f"lightning-cp: error: {error}", file=sys.stderr)
         return 2
+    except Exception as error:  # noqa: BLE001 - every failure of a run reaches the user as one line
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        print(f"lightning-cp: error: {type(error).__name__}: {first} (set {TRACEBACK_ENV}=1 for the traceback)",
+              file=sys.stderr)  # fmt: skip
+        return 1
     return 0

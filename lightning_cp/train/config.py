@@ -47,6 +47,7 @@ class RunConfig:
 
     root: str = "runs"
     name: str | None = None
+    stop_on_nonfinite_loss: bool = True
 
 
 @dataclass
@@ -171,6 +172,49 @@ POSITIVE = (
 )
 
 
+def _check_optimization(cfg: DictConfig) -> None:
+    """Reject learning rates, betas and schedules that cannot train (or train into NaN)."""
+    optim = cfg.optim
+    if not 0.0 < optim.lr <= 10.0:
+        raise ConfigError(f"optim.lr: got {optim.lr}; expected a number in (0, 10]")
+    if len(optim.betas) != 2 or not all(0.0 <= beta < 1.0 for beta in optim.betas):
+        raise ConfigError(f"optim.betas: got {list(optim.betas)}; expected two numbers in [0, 1)")
+    if optim.weight_decay < 0 or optim.warmup_steps < 0 or not 0.0 <= optim.min_lr_ratio <= 1.0:
+        raise ConfigError(
+            f"optim: weight_decay={optim.weight_decay}, warmup_steps={optim.warmup_steps}, "
+            f"min_lr_ratio={optim.min_lr_ratio}; expected weight_decay >= 0, warmup_steps >= 0, min_lr_ratio in [0, 1]"
+        )
+    trainer = cfg.trainer
+    if trainer.max_steps == 0 or trainer.max_steps < -1 or (trainer.max_steps == -1 and trainer.max_epochs is None):
+        raise ConfigError(
+            f"trainer.max_steps: got {trainer.max_steps}; expected an integer >= 1 (or -1 with trainer.max_epochs)"
+        )
+    interval = trainer.val_check_interval
+    if isinstance(interval, bool) or not (
+        (isinstance(interval, int) and interval >= 1) or (isinstance(interval, float) and 0.0 < interval <= 1.0)
+    ):
+        raise ConfigError(
+            f"trainer.val_check_interval: got {interval}; expected steps (an integer >= 1) or a fraction in (0, 1]"
+        )
+
+
+def _check_model(model: DictConfig) -> None:
+    """Reject architectures the built-in model cannot build (nothing to check for a pretrained one)."""
+    if model.pretrained:
+        return
+    if model.hidden_size % model.num_heads or model.num_heads % model.num_kv_heads:
+        raise ConfigError(
+            f"model: hidden_size={model.hidden_size}, num_heads={model.num_heads}, num_kv_heads={model.num_kv_heads}; "
+            "expected hidden_size divisible by num_heads and num_heads by num_kv_heads"
+        )
+    if (model.hidden_size // model.num_heads) % 2:
+        raise ConfigError(
+            f"model: head dim {model.hidden_size // model.num_heads} is odd; rotary embeddings need it even"
+        )
+    if model.vocab_size < 257:
+        raise ConfigError(f"model.vocab_size: got {model.vocab_size}; the byte tokenizer needs at least 257")
+
+
 def _schema_node(full_key: str) -> tuple[type | None, str]:
     """Return the dataclass holding ``full_key`` (or None) and the key's last part."""
     node: Any = Config
@@ -220,6 +264,19 @@ def _check_values(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}: got {value}; expected an integer >= 1")
     if not 0.0 <= cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction: got {cfg.data.val_fraction}; expected a number in [0, 1)")
+    _check_optimization(cfg)
+    _check_model(cfg.model)
+    strategy = cfg.strategy
+    if strategy.sequence_parallel and strategy.tensor_parallel_size == 1:
+        raise ConfigError("strategy.sequence_parallel: true needs strategy.tensor_parallel_size > 1")
+    dp = strategy.data_parallel_size
+    if dp != "auto" and (isinstance(dp, bool) or not isinstance(dp, int) or dp < 1):
+        raise ConfigError(f"strategy.data_parallel_size: got '{dp}'; expected auto or an integer >= 1")
+    if cfg.checkpoint.save_top_k < -1:
+        raise ConfigError(
+            f"checkpoint.save_top_k: got {cfg.checkpoint.save_top_k}; expected -1 (keep every step checkpoint), "
+            "0 (only last.ckpt) or a positive count"
+        )
     cp = cfg.strategy.context_parallel_size
     if cp is not None and cp < 1:
         raise ConfigError(f"strategy.context_parallel_size: got {cp}; expected an integer >= 1 or null")
@@ -264,9 +321,12 @@ def load_config(config_file: str | None = None, overrides: list[str] | tuple[str
     if config_file is not None:
         path = resolve_config_path(config_file)
         try:
-            layers.append((str(path), OmegaConf.load(path)))
+            layer = OmegaConf.load(path)
         except Exception as error:  # noqa: BLE001 - any YAML problem becomes one clear line
             raise ConfigError(f"{path}: not a valid YAML mapping ({str(error).splitlines()[0]})") from None
+        if not isinstance(layer, DictConfig):
+            raise ConfigError(f"{path}: not a YAML mapping of sections (got a {type(layer).__name__})")
+        layers.append((str(path), layer))
     for override in overrides:
         if "=" not in override:
             raise ConfigError(f"override '{override}' is not of the form key=value (e.g. trainer.max_steps=100)")

@@ -6,9 +6,12 @@ import csv
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
@@ -33,14 +36,27 @@ def latest_run(root: Path) -> Path | None:
     return max(runs, key=lambda p: (p / CHECKPOINT_DIR / LAST_CHECKPOINT).stat().st_mtime) if runs else None
 
 
-def default_run_name() -> str:
-    """Name a fresh run: the job id under SLURM or torchrun (every process must agree), else the start time."""
+def default_run_name(root: Path) -> str:
+    """Name a fresh run: the job id under SLURM or torchrun (every process must agree), else the start time, made
+    unique under ``root`` with a ``-2``, ``-3``, ... suffix."""
     job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "none")
     if job != "none":
         return f"job-{job}"
     if "LOCAL_RANK" in os.environ:
         raise ConfigError("set run.name when an external launcher starts the processes (they must share one folder)")
-    return time.strftime("%Y%m%d-%H%M%S")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return next(name for name in (stamp, *(f"{stamp}-{n}" for n in range(2, 10_000))) if not (root / name).exists())
+
+
+def check_run_name(name: str) -> None:
+    """Accept only a plain folder name: no separators, no ``..``, not absolute."""
+    if not name or name in (".", "..") or Path(name).name != name or "\\" in name:
+        raise ConfigError(f"run.name={name!r}: expected a plain folder name under run.root (no '/', no '..')")
+
+
+def _launched_by_lightning() -> bool:
+    """Whether this process is a rank Lightning's launcher started (it must use the folder its parent chose)."""
+    return os.environ.get(RUN_DIR_ENV) is not None and "LOCAL_RANK" in os.environ
 
 
 def resolve_run_dir(cfg: DictConfig) -> Path:
@@ -49,37 +65,79 @@ def resolve_run_dir(cfg: DictConfig) -> Path:
     ``run.name`` names the folder under ``run.root``; without one a fresh run is named by its start time (or job id)
     and a run resumed with ``checkpoint.resume_from=last`` continues the latest run under the root.
     """
-    pinned = os.environ.get(RUN_DIR_ENV)
-    if pinned:
-        return Path(pinned)
+    if _launched_by_lightning():
+        return Path(os.environ[RUN_DIR_ENV])
     root = Path(cfg.run.root).expanduser()
     if cfg.run.name:
+        check_run_name(cfg.run.name)
         run_dir = root / cfg.run.name
     elif cfg.checkpoint.resume_from == "last" and (latest := latest_run(root)) is not None:
         run_dir = latest
     else:
-        run_dir = root / default_run_name()
+        run_dir = root / default_run_name(root)
     os.environ[RUN_DIR_ENV] = str(run_dir.resolve())
     return run_dir.resolve()
 
 
-def resolve_checkpoint(path: str | None, run_dir: Path) -> str | None:
-    """Return the checkpoint file ``path`` names; ``"last"`` is the run folder's ``checkpoints/last.ckpt``."""
+def check_fresh_or_resumed(run_dir: Path, resuming: bool) -> None:
+    """A new run never writes into an existing run's folder, and nothing in a run folder is a symbolic link."""
+    if _launched_by_lightning():
+        return
+    if not resuming and run_dir.exists() and any(run_dir.iterdir()):
+        raise ConfigError(
+            f"run folder {run_dir} holds another run: continue it with checkpoint.resume_from=last "
+            f"run.name={run_dir.name}, or choose a new run.name"
+        )
+    linked = [path for path in (run_dir, *run_dir.glob("*"), *run_dir.glob(f"{CHECKPOINT_DIR}/*")) if path.is_symlink()]
+    if linked:
+        raise ConfigError(f"{linked[0]} is a symbolic link; run folders are never written through links")
+
+
+def resolve_checkpoint(path: str | None, run_dir: Path, readable: Callable[[str], bool] | None = None) -> str | None:
+    """Return the checkpoint file ``path`` names; ``"last"`` is the run folder's ``checkpoints/last.ckpt``, or, when
+    that one is missing or unreadable (``readable``), the newest readable step checkpoint (saying so)."""
     if path is None:
         return None
-    resolved = run_dir / CHECKPOINT_DIR / LAST_CHECKPOINT if path == "last" else Path(path).expanduser()
-    if not resolved.is_file():
-        raise FileNotFoundError(f"checkpoint {resolved} does not exist")
-    return str(resolved)
+    if path != "last":
+        resolved = Path(path).expanduser()
+        if not resolved.is_file():
+            raise FileNotFoundError(f"checkpoint {resolved} does not exist")
+        return str(resolved)
+    folder = run_dir / CHECKPOINT_DIR
+    candidates = [folder / LAST_CHECKPOINT, *sorted(folder.glob("step*.ckpt"), reverse=True)]
+    for candidate in candidates:
+        if candidate.is_file() and (readable is None or readable(str(candidate))):
+            if candidate.name != LAST_CHECKPOINT:
+                print(f"lightning-cp: {folder / LAST_CHECKPOINT} is missing or unreadable; resuming {candidate.name}")
+            return str(candidate)
+    raise FileNotFoundError(f"no readable checkpoint in {folder}")
+
+
+def write_atomically(path: Path, write: Callable[[Any], None], mode: str = "w") -> None:
+    """Write ``path`` through a temporary file in its own folder, synced, then renamed over it (all or nothing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with temporary.open(mode) as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def save_config(cfg: DictConfig, run_dir: Path) -> Path:
-    """Write the merged configuration (with the resolved run name) into the run folder."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    """Write the merged configuration (with the resolved run name) into the run folder, atomically."""
     cfg = cfg.copy()
     cfg.run.name = run_dir.name
     path = run_dir / CONFIG_FILE
-    OmegaConf.save(cfg, path)
+    write_atomically(path, lambda handle: handle.write(OmegaConf.to_yaml(cfg)))
     return path
 
 
@@ -120,6 +178,16 @@ class _ContinuingExperimentWriter(ExperimentWriter):
         self.metrics_keys = list(rows[0]) if rows else []  # the file's own column order
 
 
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint writer, writing through a synced temporary file in the checkpoint's own folder and a
+    rename, so a kill, a full disk or Ctrl-C never leaves a truncated checkpoint under the real name."""
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Save ``checkpoint`` to ``path`` atomically."""
+        write_atomically(Path(path), lambda handle: torch.save(checkpoint, handle), mode="wb")
+
+
 class RunCSVLogger(CSVLogger):
     """Lightning's ``CSVLogger`` writing ``<run folder>/metrics.csv`` at every step and continuing it on resume."""
 
@@ -138,11 +206,14 @@ class RunCSVLogger(CSVLogger):
 
 
 def write_metrics(path: Path, rows: list[dict[str, str]], fields: list[str]) -> None:
-    """Write ``rows`` with the columns ``fields`` (missing cells empty)."""
-    with path.open("w", newline="") as handle:
+    """Write ``rows`` with the columns ``fields`` (missing cells empty), atomically."""
+
+    def write(handle: Any) -> None:
         writer = csv.DictWriter(handle, fieldnames=fields, restval="")
         writer.writeheader()
         writer.writerows(rows)
+
+    write_atomically(path, write)
 
 
 def loss_series(rows: list[dict[str, str]], column: str, step_column: str = "step") -> tuple[list[int], list[float]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
+from typing_extensions import override
 
 from lightning_cp.lightning.callback import ContextParallelLayoutCallback
 from lightning_cp.lightning.module import CausalLMModule
@@ -87,19 +89,54 @@ def build_trainer(cfg: DictConfig, run_dir: Path, *, log: bool = True) -> pl.Tra
     if isinstance(interval, int) and 0 < max_steps < interval:
         trainer_args["val_check_interval"] = max_steps
     layout_callback = ContextParallelLayoutCallback(**plain(cfg.layout))
+    finite = [StopOnNonFiniteLoss()] if cfg.run.stop_on_nonfinite_loss else []
     return pl.Trainer(
         **trainer_args,
         strategy=build_strategy(cfg),
         logger=runfolder.RunCSVLogger(run_dir) if log else False,
-        callbacks=[layout_callback, checkpoint, LearningRateMonitor(logging_interval="step")],
+        callbacks=[layout_callback, checkpoint, LearningRateMonitor(logging_interval="step"), *finite],
+        plugins=[runfolder.AtomicCheckpointIO()],
         use_distributed_sampler=False,
         enable_checkpointing=True,
     )
 
 
+class StopOnNonFiniteLoss(pl.Callback):
+    """Stop at the first step whose loss is not finite on any rank, before its backward (one tiny all-reduce)."""
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        """Agree over all ranks whether any rank's loss of this step is NaN or infinite; stop everywhere if so."""
+        bad = (~torch.isfinite(loss.detach())).to(torch.float32).reshape(())
+        if float(trainer.strategy.reduce(bad, reduce_op="sum")) > 0:
+            raise FloatingPointError(
+                f"the training loss is not finite at step {trainer.global_step} (lower optim.lr, or set "
+                "run.stop_on_nonfinite_loss=false); the last checkpoint is intact"
+            )
+
+
 def load_checkpoint_meta(path: str) -> dict[str, Any]:
-    """Return a Lightning checkpoint's contents, memory-mapped so only what is read is loaded."""
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    """Return a Lightning checkpoint's contents, memory-mapped so only what is read is loaded.
+
+    Only tensors and plain values are unpickled (``weights_only=True``): opening a checkpoint never runs code in it.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        raise ConfigError(
+            f"refused to open {path}: it holds objects other than tensors and plain values (code could run)"
+        ) from None
+    except (RuntimeError, OSError, EOFError, ValueError):
+        raise ConfigError(f"not a checkpoint (truncated or not written by lightning-cp): {path}") from None
+
+
+def is_readable_checkpoint(path: str) -> bool:
+    """Whether ``path`` opens as a checkpoint."""
+    try:
+        load_checkpoint_meta(path)
+    except ConfigError:
+        return False
+    return True
 
 
 def check_checkpoint_fits(cfg: DictConfig, path: str, key: str) -> dict[str, Any]:
@@ -116,6 +153,17 @@ def check_checkpoint_fits(cfg: DictConfig, path: str, key: str) -> dict[str, Any
     return checkpoint
 
 
+def check_runnable(cfg: DictConfig) -> None:
+    """Refuse, before any process starts, what the main job cannot run: data that does not exist, tensor parallelism
+    (its models have no tensor-parallel plan yet: they would run replicated, or fail)."""
+    check_data_sources(cfg)
+    if cfg.strategy.tensor_parallel_size > 1:
+        raise ConfigError(
+            f"strategy.tensor_parallel_size: got {cfg.strategy.tensor_parallel_size}; the main job's models have no "
+            "tensor-parallel plan yet, so only 1 is supported"
+        )
+
+
 def check_data_sources(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for a data source path that does not exist."""
     for key in ("sources", "val_sources"):
@@ -126,9 +174,10 @@ def check_data_sources(cfg: DictConfig) -> None:
 
 def prepare_run(cfg: DictConfig) -> tuple[Path, str | None]:
     """Resolve the run folder and checkpoints and check them; on rank 0 save the config and trim stale metrics."""
-    check_data_sources(cfg)
+    check_runnable(cfg)
     run_dir = runfolder.resolve_run_dir(cfg)
-    resume = runfolder.resolve_checkpoint(cfg.checkpoint.resume_from, run_dir)
+    runfolder.check_fresh_or_resumed(run_dir, resuming=cfg.checkpoint.resume_from is not None)
+    resume = runfolder.resolve_checkpoint(cfg.checkpoint.resume_from, run_dir, is_readable_checkpoint)
     cfg.checkpoint.init_from = runfolder.resolve_checkpoint(cfg.checkpoint.init_from, run_dir)
     if cfg.checkpoint.init_from:
         check_checkpoint_fits(cfg, cfg.checkpoint.init_from, "checkpoint.init_from")
@@ -154,7 +203,7 @@ def fit(cfg: DictConfig) -> Path:
     trainer = build_trainer(cfg, run_dir)
     if resume is None:
         trainer.validate(model, datamodule=datamodule, verbose=False)
-    trainer.fit(model, datamodule=datamodule, ckpt_path=resume)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=resume, weights_only=True)
     if cfg.model.pretrained and trainer.is_global_zero:
         runfolder.save_pretrained(model.model, tokenizer, run_dir)
     if trainer.is_global_zero:
@@ -165,9 +214,11 @@ def fit(cfg: DictConfig) -> Path:
 
 def validate(cfg: DictConfig) -> float:
     """Return the validation loss of the checkpoint named by ``resume_from`` or ``init_from``."""
-    check_data_sources(cfg)
+    check_runnable(cfg)
     run_dir = runfolder.resolve_run_dir(cfg)
-    ckpt = runfolder.resolve_checkpoint(cfg.checkpoint.resume_from or cfg.checkpoint.init_from, run_dir)
+    ckpt = runfolder.resolve_checkpoint(
+        cfg.checkpoint.resume_from or cfg.checkpoint.init_from, run_dir, is_readable_checkpoint
+    )
     if ckpt is None:
         raise ConfigError("validate needs checkpoint.init_from=PATH (or checkpoint.resume_from=last)")
     check_checkpoint_fits(cfg, ckpt, "checkpoint")

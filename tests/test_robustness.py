@@ -1,0 +1,145 @@
+"""What a user types or a machine does: one line and a non-zero exit, nothing run from a checkpoint, nothing lost."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_cp.train import runfolder
+from lightning_cp.train.cli import main
+from lightning_cp.train.runner import StopOnNonFiniteLoss
+from tests.cli_helpers import run_cli
+
+
+class _Exploit:
+    """Unpickling this runs code: what a crafted checkpoint would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('ran')",))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(tmp_path: Path, capsys) -> None:
+    marker = tmp_path / "ran.txt"
+    evil = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "payload": _Exploit(marker)}, evil)
+    assert main(["validate", f"checkpoint.init_from={evil}", f"run.root={tmp_path}"]) == 2
+    assert not marker.exists(), "code inside the checkpoint ran"
+    assert "refused to open" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [b"", b"hello, not a checkpoint", b"PK\x03\x04truncated"])
+def test_what_is_not_a_checkpoint_is_named_as_such(tmp_path: Path, content: bytes, capsys) -> None:
+    broken = tmp_path / "broken.ckpt"
+    broken.write_bytes(content)
+    assert main(["validate", f"checkpoint.init_from={broken}", f"run.root={tmp_path}"]) == 2
+    assert f"not a checkpoint (truncated or not written by lightning-cp): {broken}" in capsys.readouterr().err
+
+
+def test_a_new_run_never_writes_into_an_existing_run_folder(tmp_path: Path, capsys) -> None:
+    folder = tmp_path / "base"
+    folder.mkdir()
+    (folder / "config.yaml").write_text("seed: 1\n")
+    os.environ.pop(runfolder.RUN_DIR_ENV, None)
+    assert main(["fit", f"run.root={tmp_path}", "run.name=base"]) == 2
+    error = capsys.readouterr().err
+    assert "holds another run" in error and "checkpoint.resume_from=last run.name=base" in error
+    assert (folder / "config.yaml").read_text() == "seed: 1\n"
+
+
+def test_run_folder_files_are_never_written_through_links(tmp_path: Path, capsys) -> None:
+    target = tmp_path / "elsewhere.csv"
+    target.write_text("precious\n")
+    folder = tmp_path / "linked"
+    (folder / "checkpoints").mkdir(parents=True)
+    (folder / "metrics.csv").symlink_to(target)
+    os.environ.pop(runfolder.RUN_DIR_ENV, None)
+    assert main(["fit", f"run.root={tmp_path}", "run.name=linked", "checkpoint.resume_from=last"]) != 0
+    assert target.read_text() == "precious\n"
+    assert "symbolic link" in capsys.readouterr().err
+
+
+def test_unnamed_runs_get_unique_folders(tmp_path: Path) -> None:
+    first = runfolder.default_run_name(tmp_path)
+    (tmp_path / first).mkdir()
+    second = runfolder.default_run_name(tmp_path)
+    assert second != first and (second.startswith(first) or second > first)
+
+
+def test_an_interrupted_checkpoint_write_leaves_the_old_file_whole(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "last.ckpt"
+    io = runfolder.AtomicCheckpointIO()
+    io.save_checkpoint({"step": 1}, path)
+
+    def dies(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(torch, "save", dies)
+    with pytest.raises(OSError, match="No space"):
+        io.save_checkpoint({"step": 2}, path)
+    monkeypatch.undo()
+    assert torch.load(path, weights_only=True) == {"step": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"], "no temporary file is left behind"
+
+
+def test_resume_from_last_falls_back_to_the_newest_intact_checkpoint(tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for name in ("step000004.ckpt", "step000008.ckpt"):
+        torch.save({"global_step": int(name[4:10])}, folder / name)
+    (folder / "last.ckpt").write_bytes(b"")  # killed mid-save
+    from lightning_cp.train.runner import is_readable_checkpoint
+
+    resolved = runfolder.resolve_checkpoint("last", tmp_path, is_readable_checkpoint)
+    assert resolved == str(folder / "step000008.ckpt")
+
+
+class _ExplodingLoss(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(1))
+
+    def training_step(self, batch, batch_idx):
+        return self.weight.sum() * (float("nan") if batch_idx == 2 else 1.0)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_training_stops_at_the_first_non_finite_loss(tmp_path: Path) -> None:
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[StopOnNonFiniteLoss()],
+        default_root_dir=tmp_path,
+    )  # fmt: skip
+    model = _ExplodingLoss()
+    with pytest.raises(FloatingPointError, match="not finite at step 2"):
+        trainer.fit(model, torch.utils.data.DataLoader(torch.zeros(8, 1), batch_size=1))
+    assert torch.isfinite(model.weight).all(), "the non-finite step never reached the weights"
+
+
+def test_a_failure_inside_the_run_is_one_line_on_every_rank(tmp_path: Path) -> None:
+    """A run that dies inside Lightning (here: a JSONL line that is not JSON) prints one line per rank, no wall."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\nnot json\n')
+    started = time.monotonic()
+    result = run_cli("fit", f"data.sources=[{bad}]", f"run.root={tmp_path}", "run.name=bad", timeout=120)
+    assert result.returncode != 0 and time.monotonic() - started < 120
+    lines = [line for line in result.stderr.splitlines() if line.startswith("lightning-cp: error")]
+    assert lines and all(f"{bad}:2: not valid JSON" in line for line in lines), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    shutil.rmtree(tmp_path / "runs", ignore_errors=True)
+
+
+def test_tensor_parallelism_is_refused_up_front_by_the_main_job(tmp_path: Path, capsys) -> None:
+    overrides = ["trainer.devices=2", "strategy.context_parallel_size=1", "strategy.tensor_parallel_size=2"]
+    assert main(["fit", *overrides, f"run.root={tmp_path}", "run.name=tp"]) == 2
+    assert "no tensor-parallel plan yet" in capsys.readouterr().err
