@@ -143,3 +143,53 @@ def test_tensor_parallelism_is_refused_up_front_by_the_main_job(tmp_path: Path, 
     overrides = ["trainer.devices=2", "strategy.context_parallel_size=1", "strategy.tensor_parallel_size=2"]
     assert main(["fit", *overrides, f"run.root={tmp_path}", "run.name=tp"]) == 2
     assert "no tensor-parallel plan yet" in capsys.readouterr().err
+
+
+def _resume_losses(checkpoints: str, precision: str) -> tuple[list[float], list[float]]:
+    """Rank body: 4 steps straight, and 2 steps resumed from the step-2 checkpoint of that run; both loss lists."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_cp import CPZigzagStrategy
+    from lightning_cp.train.data import collate_packed, pack_documents
+    from lightning_cp.train.models import LlamaLM
+    from tests.model_helpers import TRAINER_OPTIONS
+
+    os.environ["WORLD_SIZE"] = "1"
+    generator = torch.Generator().manual_seed(0)
+    documents = [torch.randint(0, 256, (length,), generator=generator).tolist() for length in (40, 17, 33, 9)]
+    batches = [collate_packed(pack_documents(documents[i : i + 2], 64)) for i in (0, 2)]  # one epoch = 2 steps
+
+    class Recorder(pl.Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+    def run(ckpt_path: str | None) -> list[float]:
+        torch.manual_seed(1)
+        recorder = Recorder()
+        saver = ModelCheckpoint(
+            dirpath=checkpoints, filename="s{step}", every_n_train_steps=2, save_top_k=-1, auto_insert_metric_name=False
+        )
+        options = {**TRAINER_OPTIONS, "enable_checkpointing": True}
+        trainer = pl.Trainer(
+            devices=1, strategy=CPZigzagStrategy(), precision=precision, max_steps=4, callbacks=[recorder, saver],
+            use_distributed_sampler=False, **options,
+        )  # fmt: skip
+        model = LlamaLM(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48, lr=1e-2)
+        trainer.fit(model, torch.utils.data.DataLoader(batches, batch_size=None), ckpt_path=ckpt_path)
+        return recorder.losses
+
+    straight = run(None)
+    resumed = run(os.path.join(checkpoints, "s2.ckpt"))
+    return straight, resumed
+
+
+@pytest.mark.parametrize("precision", ["64-true", "32-true"])
+def test_a_resumed_run_continues_bit_exactly(tmp_path: Path, precision: str) -> None:
+    from tests.distributed_harness import run_on_ranks
+
+    ((straight, resumed),) = run_on_ranks(_resume_losses, 1, str(tmp_path), precision, init_process_group=False)
+    assert len(straight) == 4 and len(resumed) == 2
+    assert resumed == straight[2:], f"resumed {resumed} vs uninterrupted {straight[2:]}"

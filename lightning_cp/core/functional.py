@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lightning_cp.core.attention.api import AttentionMode, attend_on_shards, check_attention_inputs
+from lightning_cp.core.attention.api import (
+    AttentionMode,
+    attend_on_shards,
+    check_attention_inputs,
+    check_attention_shapes,
+)
 from lightning_cp.core.packed import host_offsets
 from lightning_cp.core.step import active_step
 from lightning_cp.core.zigzag import CPLayout
@@ -24,8 +29,7 @@ def local_attention(
 
     Packed rows run one fused attention call per document (tokens past ``cu_seqlens[-1]`` form one more segment).
     """
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
-        raise ValueError(f"query heads {q.shape[2]} are not a multiple of key/value heads {k.shape[2]}")
+    check_attention_shapes(q, k, v, packed=False)
     query, key, value = (tensor.transpose(1, 2) for tensor in (q, k, v))
     if cu_seqlens is None:
         segments = [(query, key, value)]

@@ -233,8 +233,13 @@ class CPZigzagStrategy(DDPStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load a full-state checkpoint, cutting this rank's shard of every tensor-parallel parameter."""
+        """Load a full-state checkpoint, cutting this rank's shard of every tensor-parallel parameter.
+
+        The module is put in the Trainer's precision first (Lightning restores before it converts), so ``64-true``
+        weights never pass through float32 and a resumed run continues bit-exactly.
+        """
         assert self.lightning_module is not None
+        self.precision_plugin.convert_module(self.lightning_module)
         dtensor_params.load_full_module_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
 
     @classmethod

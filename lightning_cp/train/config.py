@@ -108,6 +108,7 @@ class StrategyConfig:
     attention_mode: AttentionMode = AttentionMode["allgather"]
     ulysses_size: int | None = None
     process_group_backend: ProcessGroupBackend | None = None
+    timeout_s: float = 1800.0
 
 
 @dataclass
@@ -269,6 +270,8 @@ def _check_values(cfg: DictConfig) -> None:
     strategy = cfg.strategy
     if strategy.sequence_parallel and strategy.tensor_parallel_size == 1:
         raise ConfigError("strategy.sequence_parallel: true needs strategy.tensor_parallel_size > 1")
+    if not strategy.timeout_s > 0:
+        raise ConfigError(f"strategy.timeout_s: got {strategy.timeout_s}; expected seconds > 0")
     dp = strategy.data_parallel_size
     if dp != "auto" and (isinstance(dp, bool) or not isinstance(dp, int) or dp < 1):
         raise ConfigError(f"strategy.data_parallel_size: got '{dp}'; expected auto or an integer >= 1")
@@ -291,6 +294,8 @@ def _check_values(cfg: DictConfig) -> None:
                 f"world size {world} (trainer.devices={per_node} x trainer.num_nodes={cfg.trainer.num_nodes}) "
                 f"is not divisible by strategy.context_parallel_size x strategy.tensor_parallel_size = {group}"
             )
+    elif isinstance(devices, str) and devices == "auto" and cfg.trainer.accelerator.value == "cpu":
+        raise ConfigError("trainer.devices: got 'auto'; on CPU give the number of processes (cp x tp x dp)")
     elif not (isinstance(devices, str) and devices == "auto") and not OmegaConf.is_list(devices) and devices != -1:
         raise ConfigError(f"trainer.devices: got '{devices}'; expected a positive integer, a list of ids, -1 or auto")
 

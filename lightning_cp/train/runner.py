@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import pickle
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from omegaconf import DictConfig
 from typing_extensions import override
 
@@ -70,7 +71,13 @@ def build_model(cfg: DictConfig) -> CausalLMModule:
 def build_strategy(cfg: DictConfig) -> CPZigzagStrategy:
     """Return the ``cp_zigzag`` strategy of ``cfg.strategy``."""
     kwargs: dict[str, Any] = plain(cfg.strategy)
+    kwargs["timeout"] = timedelta(seconds=kwargs.pop("timeout_s"))
     return CPZigzagStrategy(**kwargs)
+
+
+def has_validation(cfg: DictConfig) -> bool:
+    """Whether the run has validation data (``data.val_fraction=0`` with no ``data.val_sources`` has none)."""
+    return bool(cfg.data.val_sources) or cfg.data.val_fraction > 0
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path, *, log: bool = True) -> pl.Trainer:
@@ -88,6 +95,9 @@ def build_trainer(cfg: DictConfig, run_dir: Path, *, log: bool = True) -> pl.Tra
     interval, max_steps = trainer_args["val_check_interval"], trainer_args["max_steps"]
     if isinstance(interval, int) and 0 < max_steps < interval:
         trainer_args["val_check_interval"] = max_steps
+    if not has_validation(cfg):
+        rank_zero_info("lightning-cp: no validation data (data.val_fraction=0, no data.val_sources): training without")
+        trainer_args["limit_val_batches"] = 0
     layout_callback = ContextParallelLayoutCallback(**plain(cfg.layout))
     finite = [StopOnNonFiniteLoss()] if cfg.run.stop_on_nonfinite_loss else []
     return pl.Trainer(
@@ -201,7 +211,7 @@ def fit(cfg: DictConfig) -> Path:
     datamodule = build_datamodule(cfg, tokenizer)
     model = build_model(cfg)
     trainer = build_trainer(cfg, run_dir)
-    if resume is None:
+    if resume is None and has_validation(cfg):
         trainer.validate(model, datamodule=datamodule, verbose=False)
     trainer.fit(model, datamodule=datamodule, ckpt_path=resume, weights_only=True)
     if cfg.model.pretrained and trainer.is_global_zero:

@@ -469,14 +469,22 @@ def check_attention_inputs(
         raise ValueError(f"backend={backend!r} is not supported; expected one of {BACKENDS}")
     if softmax_scale is not None and not softmax_scale > 0:
         raise ValueError(f"softmax_scale={softmax_scale!r}; expected a positive float or None")
-    _check_shapes(q, k, v, packed=packed)
+    check_attention_shapes(q, k, v, packed=packed)
     if mode in (AttentionMode.ULYSSES.value, AttentionMode.HYBRID.value):
         kv_replication(q.shape[-2], k.shape[-2], head_exchange, mode)
 
 
-def _check_shapes(q: Tensor, k: Tensor, v: Tensor, packed: bool) -> None:
+ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_attention_shapes(q: Tensor, k: Tensor, v: Tensor, packed: bool) -> None:
     """Reject tensors whose ranks, token counts, batch sizes, head counts, head dims, dtypes or devices disagree."""
     dims, layout = (3, "[T_local, H, D]") if packed else (4, "[S_local, B, H, D]")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, Tensor):
+            raise ValueError(f"{name} is a {type(x).__name__}; expected a torch.Tensor")
+        if x.dtype not in ATTENTION_DTYPES:
+            raise ValueError(f"{name} has dtype {x.dtype}; expected one of float16, bfloat16, float32, float64")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != dims:
             hint = "; packed (THD) tensors need packed_seq_params" if not packed and x.dim() == 3 else ""
@@ -489,6 +497,8 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, packed: bool) -> None:
         raise ValueError(f"q has shape {tuple(q.shape)} but k has {tuple(k.shape)}; expected equal leading dims")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"head dims differ: q {q.shape[-1]}, k/v {k.shape[-1]}; expected equal")
+    if q.shape[-1] == 0 or q.shape[-2] == 0:
+        raise ValueError(f"q has shape {tuple(q.shape)}: {q.shape[-2]} heads of dimension {q.shape[-1]}; expected >= 1")
     if k.shape[-2] == 0 or q.shape[-2] % k.shape[-2]:
         raise ValueError(f"Hq={q.shape[-2]} query heads, Hkv={k.shape[-2]} key heads; expected Hq a multiple of Hkv")
     if not q.dtype == k.dtype == v.dtype or not q.device == k.device == v.device:
@@ -500,11 +510,14 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, packed: bool) -> None:
 def _packed_geometry(tokens: int, cp: int, params: PackedSeqParams) -> ZigzagGeometry:
     """Read and check the zigzag-side packed metadata; return the batch's geometry."""
     for field in ("cu_seqlens_q", "cu_seqlens_q_padded"):
-        if getattr(params, field) is None:
+        value = getattr(params, field)
+        if value is None:
             raise ValueError(
                 f"packed_seq_params.{field} is None; expected the global cumulative "
                 f"{'padded offsets (each sequence padded to a multiple of 2*cp)' if 'padded' in field else 'lengths'}"
             )
+        if not isinstance(value, Tensor) or value.dtype != torch.int32 or value.dim() != 1 or value.numel() < 2:
+            raise ValueError(f"packed_seq_params.{field} must be a 1-D int32 tensor of n + 1 offsets, got {value!r}")
     for q_field, kv_field in (("cu_seqlens_q", "cu_seqlens_kv"), ("cu_seqlens_q_padded", "cu_seqlens_kv_padded")):
         kv_value, q_value = getattr(params, kv_field), getattr(params, q_field)
         if kv_value is not None and kv_value is not q_value and host_offsets(kv_value) != host_offsets(q_value):
@@ -520,6 +533,8 @@ def _packed_geometry(tokens: int, cp: int, params: PackedSeqParams) -> ZigzagGeo
                 f"sequence {index} has length {length} and padded length {pad}; expected a padded length "
                 f">= the length and divisible by 2*cp={2 * cp}"
             )
+    if padded_offsets[-1] == 0:
+        raise ValueError("packed_seq_params describe no tokens (cu_seqlens_q ends at 0); expected a non-empty batch")
     geometry = _packed_geometry_of(cp, tuple(lengths), tuple(padded))
     _check_local_token_count(tokens, geometry)
     return geometry

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 from lightning_cp.train.data.tokenizer import Example
 
 EMBEDDED = "pydoc"
+logger = logging.getLogger("lightning_cp.data")
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
 JSONL_SUFFIXES = (".jsonl",)
 
@@ -27,7 +29,7 @@ EXAMPLE_KEYS = ("text", "prompt", "messages")
 def read_jsonl(path: Path) -> list[Example]:
     """Return the examples of a JSONL file: ``{"text"}``, ``{"prompt", "completion"}`` or ``{"messages"}`` records."""
     documents: list[Example] = []
-    with path.open(encoding="utf-8") as handle:
+    with path.open(encoding="utf-8", errors="replace") as handle:
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
@@ -40,6 +42,8 @@ def read_jsonl(path: Path) -> list[Example]:
                     f'{path}:{line_number}: expected a JSON object with "text", "prompt"/"completion" or "messages"'
                 )
             documents.append(record["text"] if isinstance(record.get("text"), str) else record)
+    if not documents:
+        raise ValueError(f"{path}: holds no examples")
     return documents
 
 
@@ -54,7 +58,10 @@ def read_path(path: Path) -> list[Example]:
         raise ValueError(f"data source {path} does not exist")
     if path.suffix in JSONL_SUFFIXES:
         return read_jsonl(path)
-    return [path.read_text(encoding="utf-8")]
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if "\ufffd" in text:
+        logger.warning("%s: bytes that are not UTF-8 were replaced by U+FFFD", path)
+    return [text]
 
 
 def load_documents(sources: Sequence[str]) -> list[Example]:

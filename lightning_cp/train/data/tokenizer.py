@@ -35,7 +35,7 @@ class ByteTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Return the UTF-8 bytes of ``text``."""
-        return list(text.encode("utf-8"))
+        return list(text.encode("utf-8", errors="replace"))
 
     def decode(self, ids: list[int]) -> str:
         """Return the text of ``ids``, dropping special ids and invalid byte sequences."""
