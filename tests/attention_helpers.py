@@ -101,3 +101,18 @@ def compare_slots(name: str, got: torch.Tensor, ref: torch.Tensor, index: torch.
     relative = {torch.float64: 0.0, torch.float32: 1e-5, torch.bfloat16: 2e-2}[case.dtype]
     tolerance = 1e-10 if case.dtype == torch.float64 else relative * ref.abs().max().item()
     return f"{name} max error {error:.3g} > {tolerance:.3g}" if error > tolerance else ""
+
+
+def reference_case(case: Case, lengths: list[int]) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+    """Global float64 ``q, k, v, dout`` ``[S, B, H, D]`` of a case, the reference output, and the reference gradients
+    of ``q, k, v`` (from ``dout``)."""
+    batch = 1 if case.packed else 2
+    hq, hkv = case.heads
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, batch, h, 8, dtype=torch.float64) for h in (hq, hkv, hkv))
+    dout = torch.randn(total, batch, hq, 8, dtype=torch.float64)
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    expected = reference_attention(*leaves, doc, case.causal)
+    expected.backward(dout)
+    return [q, k, v, dout], expected, [x.grad for x in leaves]

@@ -18,6 +18,7 @@ from tests.attention_helpers import (
     compare_slots,
     packed_params,
     reference_attention,
+    reference_case,
     shard_slots,
     zigzag_index,
 )
@@ -31,15 +32,7 @@ def check_case(case: Case, cp: int, rank: int, group, seed: int) -> list[str]:
     """Run one case on this rank and return the failures (empty when outputs and gradients match)."""
     torch.manual_seed(seed)
     lengths = case_lengths(case, cp, seed)
-    batch = 1 if case.packed else 2
-    hq, hkv = case.heads
-    total = sum(lengths)
-    q, k, v = (torch.randn(total, batch, h, 8, dtype=torch.float64) for h in (hq, hkv, hkv))
-    dout = torch.randn(total, batch, hq, 8, dtype=torch.float64)
-    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    expected = reference_attention(*leaves, doc, case.causal)
-    expected.backward(dout)
+    (q, k, v, dout), expected, reference_grads = reference_case(case, lengths)
     index = torch.tensor(zigzag_index(lengths, cp, rank))
     valid = index >= 0
     local = [shard_slots(x, index, case) for x in (q, k, v, dout)]
@@ -51,7 +44,7 @@ def check_case(case: Case, cp: int, rank: int, group, seed: int) -> list[str]:
     out.backward(local_dout)
     names = ("out", "dq", "dk", "dv")
     got = (out, *(x.grad for x in local))
-    want = (expected, *(x.grad for x in leaves))
+    want = (expected, *reference_grads)
     failures = (compare_slots(*args, index, case) for args in zip(names, got, want, strict=True))
     return [f"{case.name} cp={cp} rank={rank}: {failure}" for failure in failures if failure]
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from lightning_cp.attention import attention_work_per_rank, zigzag_attention
 from lightning_cp.packed import PackedSeqParams
-from tests.attention_helpers import Case, compare_slots, reference_attention, shard_slots
+from tests.attention_helpers import Case, compare_slots, reference_case, shard_slots
 from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
 from tests.layout_reference import dense_positions, thd_positions
 
@@ -43,15 +43,7 @@ def _check(case: Case, ring: int, ulysses: int, group, ulysses_group, ring_group
     torch.manual_seed(seed)
     lengths = _lengths(case.packed, ring * ulysses, seed)
     positions, offsets = _layout(lengths, case.packed, ring, ulysses)
-    batch = 1 if case.packed else 2
-    hq, hkv = case.heads
-    total = sum(lengths)
-    q, k, v = (torch.randn(total, batch, h, 8, dtype=torch.float64) for h in (hq, hkv, hkv))
-    dout = torch.randn(total, batch, hq, 8, dtype=torch.float64)
-    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    expected = reference_attention(*leaves, doc, case.causal)
-    expected.backward(dout)
+    (q, k, v, dout), expected, reference_grads = reference_case(case, lengths)
     rank = group.rank()
     index = torch.tensor(positions[rank])
     local = [shard_slots(x, index, case) for x in (q, k, v, dout)]
@@ -72,7 +64,7 @@ def _check(case: Case, ring: int, ulysses: int, group, ulysses_group, ring_group
     )
     out.backward(local_dout)
     got = (out, *(x.grad for x in inputs))
-    want = (expected, *(x.grad for x in leaves))
+    want = (expected, *reference_grads)
     failures = (compare_slots(*args, index, case) for args in zip(("out", "dq", "dk", "dv"), got, want, strict=True))
     return [f"{case.name} ring={ring} u={ulysses} rank={rank}: {failure}" for failure in failures if failure]
 
