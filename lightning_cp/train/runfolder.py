@@ -80,8 +80,12 @@ def resolve_run_dir(cfg: DictConfig) -> Path:
 
 
 def check_fresh_or_resumed(run_dir: Path, resuming: bool) -> None:
-    """A new run never writes into an existing run's folder, and nothing in a run folder is a symbolic link."""
-    if _launched_by_lightning():
+    """A new run never writes into an existing run's folder, and nothing in a run folder is a symbolic link.
+
+    Checked by the process that starts the run (Lightning's launcher or global rank 0 of an external one): the others
+    find the folder that one just created.
+    """
+    if _launched_by_lightning() or int(os.environ.get("RANK", "0")) > 0:
         return
     if not resuming and run_dir.exists() and any(run_dir.iterdir()):
         raise ConfigError(
