@@ -117,6 +117,20 @@ def flattened_mesh_group(
     return mesh[mesh_dim_names]._flatten(flattened_name or "_x_".join(mesh_dim_names)).get_group()
 
 
+def differing_fields(fingerprint: Sequence[int], group: ProcessGroup | None) -> list[int]:
+    """Return the indices of ``fingerprint`` whose values differ between the ranks of ``group`` (one tiny all-reduce).
+
+    Every rank gets the same answer, so every rank can raise the same error before any data collective.
+    """
+    if group is None or group.size() == 1:
+        return []
+    values = torch.tensor(list(fingerprint), dtype=torch.int64)
+    extremes = torch.cat([values, -values])
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    highest, lowest = extremes[: len(values)], -extremes[len(values) :]
+    return torch.nonzero(highest != lowest).flatten().tolist()
+
+
 def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Return the sum of ``tensor`` over ``group`` (not differentiable; for metrics)."""
     reduced = tensor.detach().clone()

@@ -23,7 +23,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_cp.core.consensus import require_agreement, tensor_description
 from lightning_cp.core.layout.api import ContextParallelLayoutManager
+from lightning_cp.core.packed import host_copies
 from lightning_cp.core.sharding import IGNORE_INDEX, ShardedBatch, shard_replica_batch
 from lightning_cp.core.step import (
     ContextParallelSetting,
@@ -108,9 +110,12 @@ class ContextParallelRuntime:
     layout. Hooks act only on steps this runtime began, so several runtimes may wrap one model.
     """
 
-    def __init__(self, setting: ContextParallelSetting, policy: LayerPolicy | None = None) -> None:
+    def __init__(
+        self, setting: ContextParallelSetting, policy: LayerPolicy | None = None, check_consensus: bool = True
+    ) -> None:
         self.setting = setting
         self.policy = policy or LayerPolicy()
+        self.check_consensus = check_consensus
         self.wrapped_layers: list[WrappedLayer] = []
         self._wrapped_model: nn.Module | None = None
         self._hook_handles: list[RemovableHandle] = []
@@ -153,6 +158,8 @@ class ContextParallelRuntime:
         if not isinstance(batch, MutableMapping):
             raise TypeError(f"{type(self).__name__} needs dict batches (see the batch contract); got {type(batch)}")
         mesh = self.setting.mesh
+        if self.check_consensus and mesh.cp_size * mesh.tp_size > 1:
+            self._require_same_batch(batch)
         sharded = shard_replica_batch(
             batch, mesh.cp_size, mesh.cp_rank, mesh.tp_size, mesh.tp_rank, self.setting.sequence_parallel
         )
@@ -161,6 +168,16 @@ class ContextParallelRuntime:
         set_active_step(step)
         self._latest_step = step
         return step, sharded
+
+    def _require_same_batch(self, batch: MutableMapping[str, Any]) -> None:
+        """Every rank of a replica must get the same batch: compare its metadata (one tiny all-reduce)."""
+        mesh = self.setting.mesh
+        group = mesh.tp_cp_group if mesh.tp_size > 1 else mesh.cp_group
+        fields: dict[str, Any] = {name: tensor_description(batch.get(name)) for name in ("input_ids", "labels")}
+        for name in ("cu_seqlens", "cu_seq_lens_q", "position_ids"):
+            value = batch.get(name)
+            fields[name] = host_copies(value)[0] if isinstance(value, torch.Tensor) else repr(value)
+        require_agreement("the replica batch", fields, group)
 
     def end_step(self) -> None:
         """Deactivate this runtime's step (another runtime's active step is left alone)."""

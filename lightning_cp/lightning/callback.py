@@ -31,6 +31,8 @@ class ContextParallelLayoutCallback(Callback):
             boundary layout (position ids, rotary tables, masks); they are converted with the same plan.
         log_metrics: log ``cp/tokens``, ``cp/padding_fraction``, ``cp/attention_imbalance`` and
             ``cp/layout_conversions`` (residual-stream conversions of the forward) every training step.
+        check_consensus: compare every batch's metadata over the ranks of a replica first (one tiny all-reduce), so a
+            batch that differs between them is the same ``ValueError`` everywhere, not a hang or wrong results.
 
     The groups and options come from a ``cp_zigzag`` strategy (any strategy with a ``cp_setting``); under any other
     strategy the batch is prepared as at cp=1.
@@ -42,9 +44,11 @@ class ContextParallelLayoutCallback(Callback):
         contiguous_layers: Sequence[str] = DEFAULT_CONTIGUOUS_LAYERS,
         side_inputs: Sequence[str] = DEFAULT_SIDE_INPUTS,
         log_metrics: bool = True,
+        check_consensus: bool = True,
     ) -> None:
         self.policy = LayerPolicy(tuple(zigzag_layers), tuple(contiguous_layers), tuple(side_inputs))
         self.log_metrics = log_metrics
+        self.check_consensus = check_consensus
         self._runtime: ContextParallelRuntime | None = None
 
     @property
@@ -57,7 +61,7 @@ class ContextParallelLayoutCallback(Callback):
         """Start a runtime over the strategy's setting (its groups may differ from a previous run's)."""
         self._release()
         setting = getattr(trainer.strategy, "cp_setting", None) or ContextParallelSetting()
-        self._runtime = ContextParallelRuntime(setting, self.policy)
+        self._runtime = ContextParallelRuntime(setting, self.policy, self.check_consensus)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

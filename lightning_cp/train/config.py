@@ -119,6 +119,7 @@ class LayoutConfig:
     contiguous_layers: list[str] = field(default_factory=lambda: list(LayerPolicy.contiguous_layers))
     side_inputs: list[str] = field(default_factory=lambda: list(LayerPolicy.side_inputs))
     log_metrics: bool = True
+    check_consensus: bool = True
 
 
 @dataclass

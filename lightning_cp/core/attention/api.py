@@ -15,6 +15,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from enum import Enum
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -35,7 +36,8 @@ from lightning_cp.core.attention.kernels import (
     halves,
     new_accumulator,
 )
-from lightning_cp.core.packed import PackedSeqParams, host_offsets
+from lightning_cp.core.consensus import require_agreement, tensor_description
+from lightning_cp.core.packed import PackedSeqParams, host_copies, host_offsets
 from lightning_cp.core.zigzag import (
     LAYOUT_NAMES,
     CPLayout,
@@ -122,6 +124,7 @@ def zigzag_attention(
     backend: str = "auto",
     ulysses_group: ProcessGroup | None = None,
     ring_group: ProcessGroup | None = None,
+    check_consensus: bool = True,
 ) -> Tensor:
     """Attention of this rank's zigzag-shard queries over the whole sequence, with exact forward and backward.
 
@@ -129,14 +132,40 @@ def zigzag_attention(
     zigzag-side ``packed_seq_params``. ``cp_group`` ``None`` means no context parallelism (one rank). With
     ``mode="hybrid"`` the CP group is ``ring_group`` x ``ulysses_group`` (CP rank ``ring_rank * u + ulysses_rank``):
     the shards are zigzag over the ``r`` ring positions, each position's two chunks split evenly over its ``u``
-    Ulysses ranks (the sequence-parallel zigzag layout with ``cp=r, tp=u``).
+    Ulysses ranks (the sequence-parallel zigzag layout with ``cp=r, tp=u``). ``check_consensus``: first compare the
+    call's shapes, dtypes, options and offsets over ``cp_group`` (one tiny all-reduce), so inputs that differ between
+    ranks give the same ``ValueError`` everywhere instead of a crash, a hang or garbage.
     """
+    if check_consensus:
+        _require_agreement(q, k, v, cp_group, packed_seq_params, causal, softmax_scale, mode, backend)
     zigzag_ranks, exchange = _zigzag_ranks(cp_group, mode, ulysses_group, ring_group)
     geometry = _validate(q, k, v, zigzag_ranks, exchange, packed_seq_params, mode, backend, softmax_scale)
     return attend_on_shards(
         q, k, v, cp_group, geometry, packed=packed_seq_params is not None, causal=causal, softmax_scale=softmax_scale,
         mode=mode, backend=backend, ulysses_group=ulysses_group, ring_group=ring_group,
     )  # fmt: skip
+
+
+def _require_agreement(
+    q: Any,
+    k: Any,
+    v: Any,
+    cp_group: ProcessGroup | None,
+    params: PackedSeqParams | None,
+    causal: bool,
+    softmax_scale: float | None,
+    mode: str,
+    backend: str,
+) -> None:
+    """Raise the same ``ValueError`` on every rank when the ranks' calls differ (before any check that could raise
+    on one rank only)."""
+    fields: dict[str, Any] = {"q": tensor_description(q), "k": tensor_description(k), "v": tensor_description(v)}
+    fields.update(mode=mode, backend=backend, causal=causal, softmax_scale=softmax_scale, packed=params is not None)
+    if params is not None:
+        for name in ("cu_seqlens_q", "cu_seqlens_q_padded"):
+            value = getattr(params, name)
+            fields[name] = host_copies(value)[0] if isinstance(value, Tensor) else repr(value)
+    require_agreement("zigzag_attention", fields, cp_group)
 
 
 def _zigzag_ranks(
