@@ -80,10 +80,10 @@ def cp_attention(
     packed = step.is_packed  # packed: [1, T, H, D] -> [T, H, D]; dense: [B, S, H, D] -> [S, B, H, D]
     q, k, v = (tensor[0] if packed else tensor.transpose(0, 1) for tensor in (q, k, v))
     mesh = step.setting.mesh
-    exchange = {AttentionMode.ULYSSES.value: mesh.cp_size, AttentionMode.HYBRID.value: mesh.dims.ulysses}.get(mode, 1)
     check_attention_inputs(
-        q, k, v, packed=packed, mode=mode, backend="auto", softmax_scale=softmax_scale, head_exchange=exchange
-    )
+        q, k, v, packed=packed, mode=mode, backend="auto", softmax_scale=softmax_scale,
+        head_exchange=step.setting.head_exchange,
+    )  # fmt: skip
     output = attend_on_shards(
         q, k, v, step.cp_group, step.geometry, packed=packed, causal=causal, softmax_scale=softmax_scale, mode=mode,
         ulysses_group=mesh.ulysses_group, ring_group=mesh.ring_group,

@@ -77,6 +77,14 @@ class ContextParallelSetting:
         )
 
     @property
+    def head_exchange(self) -> int:
+        """Return over how many ranks attention splits the heads: cp for ``ulysses``, the Ulysses part for
+        ``hybrid``, 1 otherwise."""
+        if self.attention_mode == AttentionMode.ULYSSES.value:
+            return self.mesh.cp_size
+        return self.mesh.dims.ulysses if self.attention_mode == AttentionMode.HYBRID.value else 1
+
+    @property
     def zigzag_ranks(self) -> tuple[int, int]:
         """Return the ranks the zigzag layout spans and how many ranks split each of its shards (tp with SP, the
         Ulysses part under ``hybrid``)."""
