@@ -1,0 +1,1059 @@
+"""GPU check: exactness of the attention backends and of the layout on the device, compute-side efficiency of each
+rank's attention work, and a short run of the main job, in one markdown report.
+
+Sections (``--sections``, comma-separated; default all):
+
+- ``attention``: every library backend in bf16 against a float32 reference, dense and packed, through the public
+  ``zigzag_attention`` at cp=1 and, for cp > 1, through each rank's local work run in this process (the K/V
+  all-gather replaced by every rank's K/V, what it returns); judged against SDPA-bf16's own error.
+- ``group``: a real gloo group of 4 processes on the device: layout round trips (``lightning_cp.layout``) compared
+  bit for bit, and the public ``zigzag_attention`` over the group (cp=4 and cp=2).
+- ``perf``: each rank's forward+backward attention time at cp=2/4/8 versus flash-attn (or SDPA) on the whole sequence
+  divided by cp, dense and packed.
+- ``train``: the main job ``lightning-cp fit --config gpu`` at cp=1 for a few steps; whether it ran and its losses.
+
+    python benchmarks/gpu_check.py                                  # one GPU, about 6 minutes, results/gpu.md
+    python benchmarks/gpu_check.py --dry-run --out /tmp/gpu_dry.md  # CPU, tiny sizes, the same code paths
+
+Each section records its failure in the report and the next one runs; the report is rewritten after each section.
+The exit code is 1 when a judged check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import queue
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import lightning_cp.attention as attention
+import lightning_cp.layout as layout
+from lightning_cp.core import comm
+from lightning_cp.core.zigzag import ZigzagGeometry
+from lightning_cp.packed import PackedSeqParams
+from lightning_cp.train.runfolder import METRICS_FILE, RUN_DIR_ENV, loss_series, read_metrics
+
+RESULTS = Path(__file__).resolve().parent / "results" / "gpu.md"
+SECTIONS = ("attention", "group", "perf", "train")
+RMS_RATIO_LIMIT = 2.0
+MAX_RATIO_LIMIT = 4.0
+EFFICIENCY_TARGET = 0.9
+GRADIENTS = ("out", "dq", "dk", "dv")
+Error = tuple[float, float, int]  # largest absolute error, sum of squared errors, number of values
+NO_ERROR: Error = (math.inf, math.inf, 1)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Sizes and limits of one run (GPU or CPU dry run); plain values so spawned workers receive them pickled."""
+
+    dry_run: bool
+    device: str
+    dtype: str
+    exact_dense_tokens: int
+    exact_batch: int
+    exact_packed_tokens: int
+    exact_heads: tuple[int, int]
+    exact_head_dim: int
+    exact_cps: tuple[int, ...]
+    group_size: int
+    perf_tokens: tuple[int, ...]
+    perf_heads: int
+    perf_head_dim: int
+    perf_cps: tuple[int, ...]
+    warmup: int
+    iters: int
+    budget_s: float
+    group_timeout_s: float
+    train_timeout_s: float
+    train_overrides: tuple[str, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The attention dtype as a torch dtype."""
+        return getattr(torch, self.dtype)
+
+
+TRAIN_COMMON = (
+    "--config", "gpu", "strategy.context_parallel_size=1", "trainer.devices=1",
+    "trainer.enable_progress_bar=false", "run.name=gpu-check",
+)  # fmt: skip
+
+
+def gpu_settings(budget_s: float) -> Settings:
+    """One H200: 32 heads x 128 in bf16 for the timings, 32k and 128k tokens; the main job at its real size."""
+    return Settings(
+        dry_run=False, device="cuda", dtype="bfloat16",
+        exact_dense_tokens=2048, exact_batch=2, exact_packed_tokens=3000, exact_heads=(4, 2), exact_head_dim=128,
+        exact_cps=(1, 2, 4, 8), group_size=4,
+        perf_tokens=(32768, 131072), perf_heads=32, perf_head_dim=128, perf_cps=(2, 4, 8), warmup=2, iters=3,
+        budget_s=budget_s, group_timeout_s=240.0, train_timeout_s=240.0,
+        train_overrides=(
+            *TRAIN_COMMON, "trainer.max_steps=5", "trainer.val_check_interval=5", "trainer.limit_val_batches=2",
+        ),
+    )  # fmt: skip
+
+
+def dry_run_settings(budget_s: float) -> Settings:
+    """CPU: the same code paths with tiny sizes (bf16 still, the CPU kernels support it) and a tiny model."""
+    return Settings(
+        dry_run=True, device="cpu", dtype="bfloat16",
+        exact_dense_tokens=96, exact_batch=2, exact_packed_tokens=160, exact_heads=(4, 2), exact_head_dim=16,
+        exact_cps=(1, 2, 4), group_size=4,
+        perf_tokens=(512, 1024), perf_heads=2, perf_head_dim=16, perf_cps=(2, 4), warmup=1, iters=2,
+        budget_s=budget_s, group_timeout_s=120.0, train_timeout_s=120.0,
+        train_overrides=(
+            *TRAIN_COMMON, "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
+            "trainer.accelerator=cpu", "strategy.process_group_backend=gloo", "data.tokens_per_sample=256",
+            "data.num_workers=0", "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4",
+            "model.num_kv_heads=2", "model.intermediate_size=128",
+        ),
+    )  # fmt: skip
+
+
+# The report.
+
+
+@dataclass
+class Check:
+    """One judged (or informational) result: ``status`` is PASS, FAIL, SKIP or INFO."""
+
+    section: str
+    name: str
+    status: str
+    detail: str = ""
+
+
+@dataclass
+class Report:
+    """Checks, per-section markdown and failures, written as one markdown file (and optionally JSON)."""
+
+    settings: Settings
+    started: float = field(default_factory=time.perf_counter)
+    checks: list[Check] = field(default_factory=list)
+    parts: dict[str, list[str]] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+    def add(self, section: str, name: str, status: str, detail: str = "") -> None:
+        """Record one check."""
+        self.checks.append(Check(section, name, status, detail))
+
+    def text(self, section: str, *lines: str) -> None:
+        """Append markdown lines to a section."""
+        self.parts.setdefault(section, []).extend(lines)
+
+    def failed(self) -> bool:
+        """Whether any check failed."""
+        return any(check.status == "FAIL" for check in self.checks)
+
+    def markdown(self) -> str:
+        """The whole report."""
+        title = "# GPU check" if not self.settings.dry_run else "# GPU check: CPU DRY RUN (not GPU results)"
+        lines = [title, "", *environment_lines(self.settings), f"- wall time: {self.elapsed():.0f} s", ""]
+        lines += ["## Summary", "", "| section | check | result | detail |", "| --- | --- | --- | --- |"]
+        lines += [f"| {c.section} | {c.name} | {c.status} | {c.detail} |" for c in self.checks]
+        for section in SECTIONS:
+            if section in self.parts:
+                lines += ["", *self.parts[section]]
+        if self.failures:
+            lines += ["", "## Failures", ""]
+            lines += [f"```\n{failure}\n```" for failure in self.failures]
+        return "\n".join(lines) + "\n"
+
+    def elapsed(self) -> float:
+        """Seconds since the run started."""
+        return time.perf_counter() - self.started
+
+    def write(self, path: Path, json_path: Path | None) -> None:
+        """Write the markdown report (and the checks as JSON)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.markdown())
+        if json_path is not None:
+            json_path.write_text(json.dumps([asdict(check) for check in self.checks], indent=1))
+
+
+def environment_lines(settings: Settings) -> list[str]:
+    """Device, versions and date."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    lines = [f"- date: {now:%Y-%m-%d %H:%M} UTC", f"- command: `{' '.join(sys.argv)}`"]
+    if settings.device == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        lines.append(f"- device: {props.name} (sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB)")
+    else:
+        lines.append(f"- device: CPU ({platform.machine()}, {os.cpu_count()} cores)")
+    lines.append(f"- torch {torch.__version__}, CUDA {torch.version.cuda}, flash-attn {flash_attn_version()}")
+    return lines
+
+
+def flash_attn_version() -> str:
+    """flash-attn's version, or 'not installed'."""
+    try:
+        import flash_attn
+    except ImportError:
+        return "not installed"
+    return getattr(flash_attn, "__version__", "installed")
+
+
+class Budget:
+    """The wall-clock budget of the whole run: sections and measurements ask what is left."""
+
+    def __init__(self, seconds: float) -> None:
+        self.deadline = time.perf_counter() + seconds
+
+    def left(self) -> float:
+        """Seconds left before the deadline."""
+        return self.deadline - time.perf_counter()
+
+
+# Inputs and references shared by the exactness checks.
+
+
+def exactness_lengths(total: int, seed: int) -> list[int]:
+    """Packed document lengths summing to about ``total`` (a multiple of 4, so the contiguous stream splits over cp=2
+    and cp=4): 1-token and short documents, lengths not divisible by 2*cp, and one long document."""
+    rng = random.Random(seed)
+    lengths = [1, 15, 2, 17, total // 3]
+    while sum(lengths) < total:
+        lengths.append(rng.randint(1, max(2, total // 10)))
+    lengths[-1] += (-sum(lengths)) % 4
+    rng.shuffle(lengths)
+    return lengths
+
+
+def zigzag_index(lengths: Sequence[int], cp: int, rank: int) -> torch.Tensor:
+    """Global token index of every zigzag slot of ``rank`` (``-1`` for padding), written from the layout rule: each
+    sequence padded to a multiple of 2*cp, the rank holding chunks ``rank`` and ``2cp-1-rank`` of every sequence."""
+    index, offset = [], 0
+    for length in lengths:
+        chunk = -(-length // (2 * cp))
+        for chunk_id in (rank, 2 * cp - 1 - rank):
+            index += [offset + p if p < length else -1 for p in range(chunk_id * chunk, (chunk_id + 1) * chunk)]
+        offset += length
+    return torch.tensor(index, dtype=torch.int64)
+
+
+def document_ids(lengths: Sequence[int]) -> torch.Tensor:
+    """Document id of every token of the concatenated documents."""
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(list(lengths)))
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+    """Causal softmax attention within documents on ``[S, B, H, D]`` in float32, written out with a mask."""
+    q, k, v = (x.float() for x in (q, k, v))
+    k, v = (x.repeat_interleave(q.shape[2] // x.shape[2], dim=2) for x in (k, v))
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k) / math.sqrt(q.shape[-1])
+    mask = (doc.unsqueeze(1) == doc.unsqueeze(0)) & torch.ones(doc.shape[0], doc.shape[0], dtype=torch.bool).tril()
+    probs = torch.softmax(scores.masked_fill(~mask.to(q.device), -math.inf), dim=-1)
+    return torch.einsum("bhst,tbhd->sbhd", probs, v)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """PyTorch's SDPA on the whole ``[S, B, H, D]`` sequence, one causal call per document (the baseline)."""
+    groups = q.shape[2] // k.shape[2]
+    if groups > 1:
+        k, v = (x.repeat_interleave(groups, dim=2) for x in (k, v))
+    pieces = zip(*(x.permute(1, 2, 0, 3).split(list(lengths), dim=2) for x in (q, k, v)), strict=True)
+    out = torch.cat([F.scaled_dot_product_attention(a, b, c, is_causal=True) for a, b, c in pieces], dim=2)
+    return out.permute(2, 0, 1, 3)
+
+
+def forward_backward(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], dout: torch.Tensor) -> dict:
+    """Run ``fn`` on fresh leaves of ``inputs``, backward ``dout``; return the output and the input gradients."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    out = fn(*leaves)
+    out.backward(dout.to(out.dtype))
+    return {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+
+
+@dataclass
+class Case:
+    """One layout's global inputs ``[S, B, H, D]``, its float32 reference results and SDPA's error against them."""
+
+    packed: bool
+    lengths: list[int]
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+    reference: dict[str, torch.Tensor]
+    baseline_error: dict[str, Error]
+
+
+def make_case(settings: Settings, packed: bool) -> Case:
+    """Seeded inputs (the same in every process), the float32 reference and the SDPA baseline error."""
+    lengths = exactness_lengths(settings.exact_packed_tokens, 7) if packed else [settings.exact_dense_tokens]
+    batch, (hq, hkv), dim = (1 if packed else settings.exact_batch), settings.exact_heads, settings.exact_head_dim
+    generator = torch.Generator().manual_seed(11 + packed)
+    total = sum(lengths)
+    shapes = [(total, batch, h, dim) for h in (hq, hkv, hkv, hq)]
+    q, k, v, dout = (torch.randn(s, generator=generator).to(settings.torch_dtype).to(settings.device) for s in shapes)
+    doc = document_ids(lengths)
+    reference = forward_backward(
+        lambda a, b, c: reference_attention(a, b, c, doc), [x.float() for x in (q, k, v)], dout.float()
+    )
+    baseline = forward_backward(lambda a, b, c: sdpa_attention(a, b, c, lengths), [q, k, v], dout)
+    errors = {name: error_of(baseline[name], reference[name]) for name in GRADIENTS}
+    return Case(packed, lengths, q, k, v, dout, reference, errors)
+
+
+def error_of(got: torch.Tensor, expected: torch.Tensor) -> Error:
+    """Absolute error of ``got`` against ``expected`` (in float32): largest, sum of squares and count."""
+    difference = (got.float() - expected.float()).abs()
+    largest = difference.max().item() if difference.numel() else 0.0
+    return largest, difference.square().sum().item(), difference.numel()
+
+
+def combined(a: Error, b: Error) -> Error:
+    """The error of two sets of values together."""
+    return max(a[0], b[0]), a[1] + b[1], a[2] + b[2]
+
+
+def rms(error: Error) -> float:
+    """Root-mean-square error."""
+    return math.sqrt(error[1] / max(error[2], 1))
+
+
+def shard(x: torch.Tensor, index: torch.Tensor, packed: bool) -> torch.Tensor:
+    """A rank's slots of a global ``[S, B, H, D]`` tensor, zeros in padding; ``[T, H, D]`` when packed."""
+    index = index.to(x.device)
+    local = torch.where((index >= 0).view(-1, 1, 1, 1), x[index.clamp(min=0)], 0)
+    return local.squeeze(1) if packed else local
+
+
+def packed_params(lengths: Sequence[int], cp: int, device: str) -> PackedSeqParams:
+    """Zigzag-side packed metadata: actual offsets and offsets of every document padded to a multiple of 2*cp."""
+    padded = [-(-n // (2 * cp)) * (2 * cp) for n in lengths]
+    cu, cu_padded = (offsets(x, device) for x in (lengths, padded))
+    return PackedSeqParams(cu_seqlens_q=cu, cu_seqlens_q_padded=cu_padded, max_seqlen_q=max(padded))
+
+
+def offsets(lengths: Sequence[int], device: str | torch.device) -> torch.Tensor:
+    """int32 cumulative offsets ``[0, l0, l0 + l1, ...]`` on ``device``."""
+    return torch.tensor([0, *torch.tensor(list(lengths)).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def slot_errors(name: str, got: torch.Tensor, case: Case, index: torch.Tensor) -> tuple[Error, str]:
+    """Error of one rank's slots of ``name`` against the reference, and a problem found in them ('' if none)."""
+    got = got.unsqueeze(1) if case.packed else got
+    valid = (index >= 0).to(got.device)
+    if not torch.isfinite(got).all():
+        return NO_ERROR, f"{name} has non-finite values"
+    if name == "out" and bool((got[~valid] != 0).any()):
+        return NO_ERROR, "the output is nonzero in padding slots"
+    return error_of(got[valid], case.reference[name][index[index >= 0].to(got.device)]), ""
+
+
+def judge(errors: dict[str, Error], baseline: dict[str, Error], problems: Sequence[str]) -> tuple[str, str, str]:
+    """Status, per-quantity cells ``max/rms (max ratio/rms ratio)`` and a one-line detail of one exactness check."""
+    max_ratio = {n: errors[n][0] / max(baseline[n][0], 1e-30) for n in GRADIENTS}
+    rms_ratio = {n: rms(errors[n]) / max(rms(baseline[n]), 1e-30) for n in GRADIENTS}
+    passed = not problems and all(
+        max_ratio[n] <= MAX_RATIO_LIMIT and rms_ratio[n] <= RMS_RATIO_LIMIT for n in GRADIENTS
+    )
+    cells = " | ".join(
+        f"{errors[n][0]:.1e}/{rms(errors[n]):.1e} ({max_ratio[n]:.2f}/{rms_ratio[n]:.2f})" for n in GRADIENTS
+    )
+    detail = "; ".join(sorted(set(problems))) or (
+        f"worst ratio to SDPA: max {max(max_ratio.values()):.2f}, rms {max(rms_ratio.values()):.2f}"
+    )
+    return "PASS" if passed else "FAIL", cells, detail
+
+
+def library_backends(device: str) -> list[str]:
+    """The library's attention kernels usable on ``device``: flash-attn (when installed) and math on CUDA, the CPU
+    flash kernel and math on CPU."""
+    if device == "cpu":
+        return ["math", "cpu_flash"]
+    return ["math", *(["flash_attn"] if attention.flash_attn_varlen_func() is not None else [])]
+
+
+# One rank's local attention work, run in this process.
+
+
+def rank_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_all: torch.Tensor,
+    geometry: ZigzagGeometry,
+    rank: int,
+    *,
+    packed: bool,
+    kernel: str,
+) -> torch.Tensor:
+    """CP rank ``rank``'s attention (autograd gives its backward) as the library runs it with mode='allgather', in
+    this process: the K/V all-gather returns ``kv_all`` (every rank's K/V, ``[cp, 2, B, Hkv, S_local, D]``, half-major
+    order), so the library's own code computes this rank's blocks; no process group is involved."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    with mock.patch.object(comm, "all_gather_stack", lambda kv, group: kv_all):
+        if kernel == "flash_attn":
+            return attention._flash_attention(q, k, v, None, geometry.rank_tokens, rank, packed, True, scale)
+        plan, perm = attention._block_plan(geometry, rank, True, q.device)
+        return attention.context_parallel_attention(
+            q, k, v, None, plan, perm, packed=packed, scale=scale, mode="allgather", kernel=attention._KERNELS[kernel]
+        )
+
+
+def rank_perm(geometry: ZigzagGeometry, rank: int, device: torch.device) -> torch.Tensor | None:
+    """The rank's local-to-half-major permutation on ``device`` (``None`` when the orders agree)."""
+    perm = geometry.rank_tokens[rank].perm
+    return None if perm is None else perm.to(device)
+
+
+def gathered_kv(ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], geometry: ZigzagGeometry, packed: bool):
+    """What the all-gather returns: every rank's K and V in the kernels' half-major layout, stacked."""
+    parts = []
+    for rank, (k, v) in enumerate(zip(ks, vs, strict=True)):
+        perm = rank_perm(geometry, rank, k.device)
+        parts.append(torch.stack([attention._to_internal(x, packed, perm) for x in (k, v)]))
+    return torch.stack(parts)
+
+
+def geometry_of(case_lengths: Sequence[int], cp: int, packed: bool) -> ZigzagGeometry:
+    """The library's geometry of one batch at ``cp``."""
+    if packed:
+        return ZigzagGeometry.packed(cp, list(case_lengths))
+    return ZigzagGeometry.dense(cp, case_lengths[0])
+
+
+# (a) Exactness in one process.
+
+
+def emulated_ranks(case: Case, cp: int, kernel: str) -> tuple[dict[str, Error], list[str]]:
+    """Every rank's local work at ``cp``; dK/dV summed over ranks as the all-gather's backward does."""
+    geometry = geometry_of(case.lengths, cp, case.packed)
+    indexes = [zigzag_index(case.lengths, cp, rank) for rank in range(cp)]
+    shards = [[shard(x, index, case.packed) for x in (case.q, case.k, case.v, case.dout)] for index in indexes]
+    kv_all = gathered_kv([s[1] for s in shards], [s[2] for s in shards], geometry, case.packed)
+    errors: dict[str, Error] = dict.fromkeys(GRADIENTS, (0.0, 0.0, 0))
+    problems: list[str] = []
+    kv_grads = []
+    for rank, (q, k, v, dout) in enumerate(shards):
+        q_leaf, kv_leaf = q.clone().requires_grad_(), kv_all.clone().requires_grad_()
+        out = rank_attention(q_leaf, k, v, kv_leaf, geometry, rank, packed=case.packed, kernel=kernel)
+        out.backward(dout)
+        kv_grads.append(kv_leaf.grad)
+        for name, got in (("out", out.detach()), ("dq", q_leaf.grad)):
+            error, problem = slot_errors(name, got, case, indexes[rank])
+            errors[name], problems = combined(errors[name], error), problems + [problem] * bool(problem)
+    dkv = torch.stack(kv_grads).sum(0)
+    for rank in range(cp):
+        perm = rank_perm(geometry, rank, dkv.device)
+        for name, part in (("dk", 0), ("dv", 1)):
+            got = attention._from_internal(dkv[rank, part], case.packed, perm)
+            error, problem = slot_errors(name, got, case, indexes[rank])
+            errors[name], problems = combined(errors[name], error), problems + [problem] * bool(problem)
+    return errors, problems
+
+
+def public_entry_cp1(case: Case, kernel: str) -> tuple[dict[str, Error], list[str]]:
+    """The public ``zigzag_attention`` with no CP group (one rank), on the zigzag-padded sequence."""
+    index = zigzag_index(case.lengths, 1, 0)
+    q, k, v, dout = (shard(x, index, case.packed) for x in (case.q, case.k, case.v, case.dout))
+    params = packed_params(case.lengths, 1, case.q.device.type) if case.packed else None
+    results = forward_backward(
+        lambda a, b, c: attention.zigzag_attention(a, b, c, None, packed_seq_params=params, backend=kernel),
+        [q, k, v],
+        dout,
+    )
+    errors, problems = {}, []
+    for name in GRADIENTS:
+        errors[name], problem = slot_errors(name, results[name], case, index)
+        problems += [problem] * bool(problem)
+    return errors, problems
+
+
+def exactness_row(case: Case, cp: int, kernel: str) -> tuple[str, str, str]:
+    """One (layout, cp, kernel) check: its table row, status and detail."""
+    errors, problems = public_entry_cp1(case, kernel) if cp == 1 else emulated_ranks(case, cp, kernel)
+    status, cells, detail = judge(errors, case.baseline_error, problems)
+    entry = "zigzag_attention (no group)" if cp == 1 else "each rank's local work"
+    layout_name = "packed" if case.packed else "dense"
+    return f"| {layout_name} | {cp} | {entry} | {kernel} | {cells} | {status} |", status, detail
+
+
+def check_attention(settings: Settings, report: Report, budget: Budget) -> None:
+    """(a) Every backend versus the float32 reference, dense and packed, cp=1 (public entry) and emulated cp > 1."""
+    report.text(
+        "attention",
+        f"## (a) Attention exactness ({settings.dtype}, {settings.device}, causal, Hq/Hkv={settings.exact_heads}, "
+        f"D={settings.exact_head_dim})",
+        "",
+        "Each cell: `max/rms (max ratio/rms ratio)`: the largest and the root-mean-square absolute error against a "
+        f"float32 reference computed from the same {settings.dtype} inputs, and each divided by "
+        f"SDPA-{settings.dtype}'s own error against the same reference (whole sequence, one call per document). "
+        f"Pass: every rms ratio <= {RMS_RATIO_LIMIT:g} and every max ratio <= {MAX_RATIO_LIMIT:g} (largest errors in "
+        "bf16 come in whole ulps, so they are the coarser measure), finite values, zero output in padding slots. "
+        "cp=1 goes through the public `zigzag_attention` without a group; cp > 1 runs every rank's local work (mode "
+        "allgather) in this process with the all-gather's result given, dK/dV summed over ranks as "
+        "the gather's backward sums them.",
+        "",
+    )
+    for packed in (False, True):
+        case = make_case(settings, packed)
+        baseline = " | ".join(f"{case.baseline_error[n][0]:.1e}/{rms(case.baseline_error[n]):.1e}" for n in GRADIENTS)
+        report.text(
+            "attention",
+            f"{'Packed' if packed else 'Dense'}: {len(case.lengths)} document(s), {sum(case.lengths)} tokens; "
+            f"SDPA-{settings.dtype} errors max/rms (out; dq; dk; dv): {baseline.replace(' | ', '; ')}",
+            "",
+            "| layout | cp | entry | backend | out | dq | dk | dv | result |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        )
+        for cp in settings.exact_cps:
+            for kernel in library_backends(settings.device):
+                row, status, detail = exactness_row(case, cp, kernel)
+                report.text("attention", row)
+                report.add("attention", f"{'packed' if packed else 'dense'} cp={cp} {kernel}", status, detail)
+        report.text("attention", "")
+
+
+# (a) Layout and attention over a real process group.
+
+
+def check_group(settings: Settings, report: Report, budget: Budget) -> None:
+    """(a) Spawn a gloo group on the device; layout round trips and the public attention entry over it."""
+    timeout = min(settings.group_timeout_s, budget.left())
+    outcomes = launch_group(settings, timeout)
+    modes = group_modes(settings.device)
+    report.text(
+        "group",
+        f"## (a) Layout and attention over a real process group (gloo, {settings.group_size} processes on one "
+        f"{settings.device} device)",
+        "",
+        "Layout: `contiguous_to_zigzag` / `zigzag_to_contiguous` of dense (seq_dim 0 and 1) and packed (THD plan) "
+        f"{settings.dtype} and int64 tensors; the zigzag shard must equal the slots the layout rule names, the round "
+        "trip the input, and each conversion's backward the inverse conversion, all bit for bit (`torch.equal`). "
+        f"Attention: the public `zigzag_attention` over the group, modes {', '.join(modes)} "
+        "(ring needs point-to-point sends, which gloo does not do with CUDA tensors, so it runs on CPU only), judged "
+        "like the exactness table above, over the slots of every rank together; detail `max/rms (ratios)` "
+        "for out; dq; dk; dv.",
+        "",
+        "| check | result | detail |",
+        "| --- | --- | --- |",
+    )
+    for name, status, detail, cell in merge_group_outcomes(outcomes):
+        report.text("group", f"| {name} | {status} | {cell} |")
+        report.add("group", name, status, detail)
+    report.text("group", "")
+
+
+def group_modes(device: str) -> list[str]:
+    """Attention modes checked over the group."""
+    return ["allgather", "ulysses", *(["ring"] if device == "cpu" else [])]
+
+
+def launch_group(settings: Settings, timeout: float) -> list[list[dict]]:
+    """Start the group's processes (spawned: this process may hold a CUDA context) and collect every rank's records."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    processes = [
+        context.Process(target=group_worker, args=(rank, settings.group_size, port, settings, results), daemon=True)
+        for rank in range(settings.group_size)
+    ]
+    for process in processes:
+        process.start()
+    outcomes: dict[int, Any] = {}
+    deadline = time.perf_counter() + timeout
+    try:
+        while len(outcomes) < settings.group_size:
+            rank, outcome = results.get(timeout=max(1.0, deadline - time.perf_counter()))
+            outcomes[rank] = outcome
+    except queue.Empty:
+        done = sorted(outcomes)
+        raise TimeoutError(f"the group did not finish within {timeout:.0f} s (ranks done: {done})") from None
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    failed = [outcome for outcome in outcomes.values() if isinstance(outcome, str)]
+    if failed:
+        raise RuntimeError(f"a group rank failed:\n{failed[0]}")
+    return [outcomes[rank] for rank in range(settings.group_size)]
+
+
+def group_worker(rank: int, world: int, port: int, settings: Settings, results: Any) -> None:
+    """One rank of the group: run every group check and put its records (or the traceback) on ``results``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        if settings.device == "cuda":
+            torch.cuda.set_device(0)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+        pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
+        records = []
+        cases = {packed: make_case(settings, packed) for packed in (False, True)}
+        for cp, group in ((world, dist.group.WORLD), (2, pairs[rank // 2])):
+            cp_rank = dist.get_rank(group)
+            records += layout_records(settings, cp, cp_rank, group)
+            for case in cases.values():
+                records += group_attention_records(settings, case, cp, cp_rank, group)
+        results.put((rank, records))
+    except BaseException:  # noqa: BLE001 - the parent must see every failure
+        results.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def layout_records(settings: Settings, cp: int, rank: int, group: Any) -> list[dict]:
+    """Dense (seq_dim 0 and 1) and packed conversions of a float and an int64 tensor: which comparisons held."""
+    records = []
+    generator = torch.Generator().manual_seed(3)
+    lengths = exactness_lengths(settings.exact_packed_tokens, 5)
+    dense_length = 2 * 2 * settings.group_size * 12
+    for kind, dtype in (("float", settings.torch_dtype), ("int64", torch.int64)):
+        for seq_dim in (0, 1):
+            shape = (dense_length, 3, 8) if seq_dim == 0 else (2, dense_length, 8)
+            stream = random_tensor(shape, dtype, generator).to(settings.device)
+            name = f"layout dense seq_dim={seq_dim} {kind} cp={cp}"
+            failed = guarded(lambda s=stream, d=seq_dim: dense_round_trip(s, cp, rank, group, d))
+            records.append({"kind": "layout", "name": name, "failed": failed})
+        stream = random_tensor((sum(lengths), 6), dtype, generator).to(settings.device)
+        name = f"layout packed ({len(lengths)} docs) {kind} cp={cp}"
+        failed = guarded(lambda s=stream: packed_round_trip(s, lengths, cp, rank, group))
+        records.append({"kind": "layout", "name": name, "failed": failed})
+    return records
+
+
+def guarded(check: Callable[[], list[str]]) -> list[str]:
+    """Run a layout check; an exception becomes its failure (gloo fails the same way on every rank, so the group
+    goes on to the next check)."""
+    try:
+        return check()
+    except Exception as error:  # noqa: BLE001 - recorded in the report
+        return [f"raised {type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"]
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """Seeded random values of ``dtype`` (integers for int64), the same in every process."""
+    if dtype == torch.int64:
+        return torch.randint(0, 2**40, shape, generator=generator)
+    return torch.randn(shape, generator=generator).to(dtype)
+
+
+def conversion_failures(
+    local: torch.Tensor,
+    expected_zigzag: torch.Tensor,
+    to_zigzag: Callable[[torch.Tensor], torch.Tensor],
+    to_contiguous: Callable[[torch.Tensor], torch.Tensor],
+) -> list[str]:
+    """Compare a conversion, its round trip and both backwards with what they must be, bit for bit."""
+    failures = []
+    source = local.clone().requires_grad_() if local.is_floating_point() else local
+    zigzag = to_zigzag(source)
+    if not torch.equal(zigzag.detach(), expected_zigzag):
+        failures.append("zigzag shard differs from the layout rule")
+    if not torch.equal(to_contiguous(zigzag.detach()), local):
+        failures.append("round trip differs from the input")
+    if local.is_floating_point():
+        upstream = torch.randn_like(expected_zigzag, dtype=torch.float32).to(local.dtype)
+        zigzag.backward(upstream)
+        if not torch.equal(source.grad, to_contiguous(upstream)):
+            failures.append("backward of contiguous_to_zigzag is not zigzag_to_contiguous")
+    return failures
+
+
+def dense_round_trip(stream: torch.Tensor, cp: int, rank: int, group: Any, seq_dim: int) -> list[str]:
+    """A dense sequence: this rank's contiguous slice to zigzag and back."""
+    length = stream.shape[seq_dim]
+    per_rank = length // cp
+    local = stream.narrow(seq_dim, rank * per_rank, per_rank).contiguous()
+    expected = stream.index_select(seq_dim, zigzag_index([length], cp, rank).to(stream.device))
+    return conversion_failures(
+        local,
+        expected,
+        lambda x: layout.contiguous_to_zigzag(x, group, seq_dim=seq_dim),
+        lambda x: layout.zigzag_to_contiguous(x, group, seq_dim=seq_dim),
+    )
+
+
+def packed_round_trip(stream: torch.Tensor, lengths: Sequence[int], cp: int, rank: int, group: Any) -> list[str]:
+    """A packed stream: this rank's contiguous slice to the zigzag side of a THD plan and back."""
+    total = stream.shape[0]
+    cu = offsets(lengths, stream.device)
+    plan = layout.build_thd_cp_layout_plan(cu, total, group)
+    per_rank = total // cp
+    local = stream[rank * per_rank : (rank + 1) * per_rank]
+    index = zigzag_index(lengths, cp, rank).to(stream.device)
+    expected = torch.where((index >= 0).unsqueeze(1), stream[index.clamp(min=0)], 0)
+    return conversion_failures(
+        local,
+        expected,
+        lambda x: layout.contiguous_to_zigzag(x, group, thd_plan=plan),
+        lambda x: layout.zigzag_to_contiguous(x, group, thd_plan=plan),
+    )
+
+
+def group_attention_records(settings: Settings, case: Case, cp: int, rank: int, group: Any) -> list[dict]:
+    """The public ``zigzag_attention`` over ``group`` for every mode and backend: this rank's slot errors."""
+    records = []
+    for mode in group_modes(settings.device):
+        for backend in library_backends(settings.device):
+            if backend == "flash_attn" and mode not in ("allgather", "ulysses"):
+                continue
+            name = f"attention {'packed' if case.packed else 'dense'} cp={cp} {mode} {backend}"
+            errors: dict[str, Error] = dict.fromkeys(GRADIENTS, NO_ERROR)
+            problems = guarded(
+                lambda m=mode, b=backend, e=errors: group_attention_errors(case, cp, rank, group, m, b, e)
+            )
+            records.append({"kind": "attention", "name": name, "errors": errors, "problems": problems,
+                            "baseline": case.baseline_error})  # fmt: skip
+    return records
+
+
+def group_attention_errors(
+    case: Case, cp: int, rank: int, group: Any, mode: str, backend: str, errors: dict[str, Error]
+) -> list[str]:
+    """Fill ``errors`` with this rank's slot errors of one public ``zigzag_attention`` call; return the problems."""
+    index = zigzag_index(case.lengths, cp, rank)
+    q, k, v, dout = (shard(x, index, case.packed) for x in (case.q, case.k, case.v, case.dout))
+    params = packed_params(case.lengths, cp, case.q.device.type) if case.packed else None
+    results = forward_backward(
+        lambda a, b, c: attention.zigzag_attention(
+            a, b, c, group, packed_seq_params=params, mode=mode, backend=backend
+        ),
+        [q, k, v],
+        dout,
+    )
+    problems = []
+    for name in GRADIENTS:
+        errors[name], problem = slot_errors(name, results[name], case, index)
+        problems += [problem] * bool(problem)
+    return problems
+
+
+def merge_group_outcomes(outcomes: list[list[dict]]) -> list[tuple[str, str, str, str]]:
+    """One (name, status, detail, table cell) per check: layout passes when every rank matched; attention is judged
+    on the slots of every rank together."""
+    merged = []
+    for position, first in enumerate(outcomes[0]):
+        records = [rank_records[position] for rank_records in outcomes]
+        if first["kind"] == "layout":
+            failures = sorted({failure for record in records for failure in record["failed"]})
+            detail = "; ".join(failures) or "bit-exact"
+            merged.append((first["name"], "FAIL" if failures else "PASS", detail, detail))
+            continue
+        errors = {n: functools.reduce(combined, (record["errors"][n] for record in records)) for n in GRADIENTS}
+        problems = [problem for record in records for problem in record["problems"]]
+        status, cells, detail = judge(errors, first["baseline"], problems)
+        merged.append((first["name"], status, detail, cells.replace(" | ", "; ")))
+    return merged
+
+
+# (b) Compute-side efficiency.
+
+
+def timed(fn: Callable[[], None], device: str) -> float:
+    """Seconds ``fn`` takes on ``device`` (CUDA events on a GPU)."""
+    if device != "cuda":
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    begin.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1000
+
+
+def median_time(fn: Callable[[], None], settings: Settings) -> float:
+    """Median seconds of ``settings.iters`` runs after ``settings.warmup`` warm-up runs."""
+    for _ in range(settings.warmup):
+        fn()
+    return statistics.median(timed(fn, settings.device) for _ in range(settings.iters))
+
+
+def perf_lengths(total: int, seed: int) -> list[int]:
+    """A packed batch of about ``total`` tokens: a few long documents (total/8..total/4) among short ones (1..512)."""
+    rng = random.Random(seed)
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        lengths.append(rng.randint(total // 8, total // 4) if rng.random() < 0.25 else rng.randint(1, 512))
+    lengths[-1] -= sum(lengths) - total
+    return [n for n in lengths if n > 0]
+
+
+def whole_sequence_step(settings: Settings, lengths: Sequence[int], packed: bool) -> tuple[Callable[[], None], str]:
+    """Forward+backward of flash-attn (when installed, on CUDA) or SDPA over the whole sequence, and its name."""
+    heads, dim, device, dtype = settings.perf_heads, settings.perf_head_dim, settings.device, settings.torch_dtype
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, heads, dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    dout = torch.randn(total, heads, dim, device=device, dtype=dtype)
+    flash = device == "cuda" and attention.flash_attn_varlen_func() is not None
+    if flash:
+        cu = offsets(lengths, device)
+        varlen, longest = attention.flash_attn_varlen_func(), max(lengths)
+
+        def attend() -> torch.Tensor:
+            return varlen(q, k, v, cu, cu, longest, longest, causal=True)
+
+    else:
+
+        def attend() -> torch.Tensor:
+            return sdpa_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), lengths).squeeze(1)
+
+    def step() -> None:
+        q.grad = k.grad = v.grad = None
+        attend().backward(dout)
+
+    return step, ("flash-attn varlen" if flash else "SDPA per document") if packed else (
+        "flash-attn" if flash else "SDPA"
+    )
+
+
+def rank_step(settings: Settings, geometry: ZigzagGeometry, rank: int, packed: bool, kernel: str) -> Callable:
+    """Forward+backward of one rank's local attention work (random shards, every rank's K/V given)."""
+    heads, dim, device, dtype = settings.perf_heads, settings.perf_head_dim, settings.device, settings.torch_dtype
+    local, cp = geometry.zigzag_local_token_count, geometry.cp_size
+    shape = (local, heads, dim) if packed else (local, 1, heads, dim)
+    q = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+    k, v, dout = (torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
+    kv_all = torch.randn((cp, 2, 1, heads, local, dim), device=device, dtype=dtype, requires_grad=True)
+
+    def step() -> None:
+        q.grad = kv_all.grad = None
+        rank_attention(q, k, v, kv_all, geometry, rank, packed=packed, kernel=kernel).backward(dout)
+
+    return step
+
+
+def math_memory_problem(settings: Settings, geometry: ZigzagGeometry) -> str:
+    """Why the math kernel cannot run this geometry on the GPU (it materialises float32 scores per block), or ''."""
+    if settings.device != "cuda":
+        return ""
+    largest = 0
+    for rank in range(geometry.cp_size):
+        plan, _ = attention._block_plan(geometry, rank, True, torch.device("cpu"))
+        blocks = [b for source in plan.blocks for b in source]
+        largest = max([largest, *((b.rows.stop - b.rows.start) * (b.cols.stop - b.cols.start) for b in blocks)])
+    needed = 6 * largest * settings.perf_heads * 4
+    free = torch.cuda.mem_get_info()[0]
+    if needed > 0.7 * free:
+        return f"math kernel would need ~{needed / 2**30:.0f} GiB of score buffers ({free / 2**30:.0f} GiB free)"
+    return ""
+
+
+def measure_performance(settings: Settings, report: Report, budget: Budget) -> None:
+    """(b) Per-rank attention time (max over ranks) versus the whole sequence's time divided by cp."""
+    probe = torch.zeros(2, 1, 1, 8, device=settings.device, dtype=settings.torch_dtype)
+    kernel = attention._choose_kernel("auto", "allgather", probe)
+    judged = not settings.dry_run
+    report.text(
+        "perf",
+        f"## (b) Compute-side efficiency ({settings.dtype}, {settings.perf_heads} heads x {settings.perf_head_dim}, "
+        f"causal, forward+backward, library kernel `{kernel}`, mode allgather)",
+        "",
+        "Every rank's local attention work runs in this process, one rank after another (the library's own code, the "
+        "all-gather's result given; communication excluded). Time: median of "
+        f"{settings.iters} after {settings.warmup} warm-up runs"
+        f"{', CUDA events' if settings.device == 'cuda' else ''}. Efficiency = (whole-sequence time / cp) / (slowest "
+        f"rank's time); target >= {EFFICIENCY_TARGET}"
+        f"{'' if judged else ' (not judged in a CPU dry run: CPU timings of tiny sizes say nothing about a GPU)'}.",
+        "",
+        "| workload | cp | whole sequence | whole (ms) | whole / cp (ms) | per rank (ms) | efficiency | result |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    )
+    for total in settings.perf_tokens:
+        for packed in (False, True):
+            lengths = perf_lengths(total, 1) if packed else [total]
+            size = f"{total // 1024}k" if total % 1024 == 0 else str(total)
+            workload = f"{'packed' if packed else 'dense'} {size}" + (f" ({len(lengths)} docs)" * packed)
+            perf_workload(settings, report, budget, kernel, workload, lengths, packed)
+    report.text("perf", "")
+
+
+def perf_workload(
+    settings: Settings, report: Report, budget: Budget, kernel: str, workload: str, lengths: list[int], packed: bool
+) -> None:
+    """Measure one workload at every cp: the whole-sequence reference once, then every rank."""
+    if budget.left() < 10:
+        report.add("perf", workload, "SKIP", "time budget spent")
+        return
+    step, reference = whole_sequence_step(settings, lengths, packed)
+    whole = median_time(step, settings)
+    del step
+    for cp in settings.perf_cps:
+        geometry = geometry_of(lengths, cp, packed)
+        problem = math_memory_problem(settings, geometry) if kernel == "math" else ""
+        times, problem = rank_times(settings, budget, geometry, packed, kernel) if not problem else ([], problem)
+        name = f"{workload} cp={cp}"
+        if problem:
+            row = f"| {workload} | {cp} | {reference} | {1000 * whole:.1f} | - | - | - | SKIP: {problem} |"
+            report.text("perf", row)
+            report.add("perf", name, "SKIP", problem)
+            continue
+        efficiency = whole / cp / max(times)
+        status = ("PASS" if efficiency >= EFFICIENCY_TARGET else "FAIL") if not settings.dry_run else "INFO"
+        spread = f"{1000 * min(times):.1f}..{1000 * max(times):.1f}"
+        report.text(
+            "perf",
+            f"| {workload} | {cp} | {reference} | {1000 * whole:.1f} | {1000 * whole / cp:.1f} | {spread} | "
+            f"{efficiency:.2f} | {status} |",
+        )
+        report.add("perf", name, status, f"efficiency {efficiency:.2f} (kernel {kernel} vs {reference})")
+        if settings.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def rank_times(
+    settings: Settings, budget: Budget, geometry: ZigzagGeometry, packed: bool, kernel: str
+) -> tuple[list[float], str]:
+    """Every rank's median time, or a reason to stop (the budget would run out)."""
+    times: list[float] = []
+    for rank in range(geometry.cp_size):
+        step = rank_step(settings, geometry, rank, packed, kernel)
+        first = timed(step, settings.device)
+        estimate = first * (settings.warmup + settings.iters) * (geometry.cp_size - rank)
+        if estimate > budget.left():
+            return [], f"time budget: about {estimate:.0f} s more needed, {budget.left():.0f} s left"
+        times.append(median_time(step, settings))
+    return times, ""
+
+
+# (c) The main job.
+
+
+def check_training(settings: Settings, report: Report, budget: Budget) -> None:
+    """(c) ``lightning-cp fit --config gpu`` at cp=1 in a subprocess with a timeout: exit code and losses."""
+    timeout = min(settings.train_timeout_s, budget.left())
+    run_root = Path(tempfile.mkdtemp(prefix="gpu_check_run_"))
+    command = [sys.executable, "-m", "lightning_cp", "fit", *settings.train_overrides, f"run.root={run_root}"]
+    try:
+        returncode, wall, log_tail = run_main_job(command, timeout)
+        steps, losses = loss_series(read_metrics(run_root / "gpu-check" / METRICS_FILE), "train_loss")
+        val_steps, val = loss_series(read_metrics(run_root / "gpu-check" / METRICS_FILE), "val_loss", "trained_steps")
+    finally:
+        shutil.rmtree(run_root, ignore_errors=True)
+    expected = int(next(o.split("=")[1] for o in settings.train_overrides if o.startswith("trainer.max_steps=")))
+    finite = all(math.isfinite(loss) for loss in losses)
+    ran = returncode == 0 and len(losses) == expected and finite
+    detail = f"exit {returncode}, {len(losses)}/{expected} train losses, {wall:.0f} s" + ("" if finite else ", NaN/inf")
+    report.add("train", "lightning-cp fit --config gpu, cp=1", "PASS" if ran else "FAIL", detail)
+    shown = " ".join(a for a in command[3:] if not a.startswith("run.root="))
+    report.text(
+        "train",
+        "## (c) The main job",
+        "",
+        f"`lightning-cp {shown} run.root=<temp>` (at cp=1 `cp_attention` is single-device attention: SDPA per "
+        f"document). Pass: exit code 0, {expected} finite train losses.",
+        "",
+        f"- exit code {returncode}, wall time {wall:.0f} s (start-up, data, validation and checkpoint included)",
+        "- train loss by step: " + (", ".join(f"{s}: {x:.4f}" for s, x in zip(steps, losses, strict=True)) or "none"),
+        "- validation loss: " + (", ".join(f"after {s}: {x:.4f}" for s, x in zip(val_steps, val, strict=True)) or "-"),
+    )
+    if not ran:
+        report.text("train", "", "Last lines of its output:", "", "```", log_tail, "```")
+    report.text("train", "")
+
+
+def run_main_job(command: list[str], timeout: float) -> tuple[int | str, float, str]:
+    """Run the job in its own session (killed with its workers on timeout); exit code, seconds, last output lines."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop(RUN_DIR_ENV, None)
+    start = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            returncode: int | str = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            returncode = f"timeout after {timeout:.0f} s"
+        log.seek(0)
+        tail = "\n".join(log.read().splitlines()[-30:])
+    return returncode, time.perf_counter() - start, tail
+
+
+# Driver.
+
+SECTION_FUNCTIONS: dict[str, Callable[[Settings, Report, Budget], None]] = {
+    "attention": check_attention,
+    "group": check_group,
+    "perf": measure_performance,
+    "train": check_training,
+}
+RUN_ORDER = ("attention", "group", "train", "perf")  # perf last: it adapts to whatever time is left
+
+
+def run_section(name: str, settings: Settings, report: Report, budget: Budget) -> None:
+    """Run one section; a failure is recorded in the report and does not stop the others."""
+    started = time.perf_counter()
+    try:
+        SECTION_FUNCTIONS[name](settings, report, budget)
+    except Exception as error:  # noqa: BLE001 - every failure becomes a line in the report
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        report.add(name, "section", "FAIL", f"{type(error).__name__}: {first}"[:300])
+        report.failures.append(f"section {name}:\n{traceback.format_exc()[-4000:]}")
+    print(f"gpu_check: section {name} done in {time.perf_counter() - started:.0f} s", flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command-line options."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, the same code paths (about a minute)")
+    ap.add_argument("--out", type=Path, help="markdown report (default results/gpu.md; a temp file for --dry-run)")
+    ap.add_argument("--json", type=Path, help="also write the checks as JSON here")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)}")
+    ap.add_argument("--budget-s", type=float, help="wall-clock budget (default 420 on a GPU, 150 for --dry-run)")
+    args = ap.parse_args(argv)
+    unknown = set(args.sections.split(",")) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    if args.out is None:
+        args.out = Path(tempfile.gettempdir()) / "gpu_check_dry_run.md" if args.dry_run else RESULTS
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen sections, writing the report after each; 1 when a judged check failed."""
+    args = parse_args(argv)
+    if args.dry_run:
+        settings = dry_run_settings(args.budget_s or 150.0)
+    else:
+        if not torch.cuda.is_available():
+            print("gpu_check: no CUDA device; use --dry-run on CPU", file=sys.stderr)
+            return 2
+        settings = gpu_settings(args.budget_s or 420.0)
+    torch.manual_seed(0)
+    report, budget = Report(settings), Budget(settings.budget_s)
+    chosen = set(args.sections.split(","))
+    for name in (section for section in RUN_ORDER if section in chosen):
+        run_section(name, settings, report, budget)
+        report.write(args.out, args.json)
+    print(f"gpu_check: report in {args.out} ({report.elapsed():.0f} s)", flush=True)
+    return 1 if report.failed() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The GPU check script's CPU dry run: it writes its report and its exactness checks pass; a wrong kernel fails them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_cp.core.attention import api, kernels
+from lightning_cp.train.runfolder import RUN_DIR_ENV
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+EXACTNESS_SECTIONS = ("attention", "group")
+
+
+def _load_script(monkeypatch):
+    """Import ``benchmarks/gpu_check.py`` as the module ``gpu_check`` (registered only for this test)."""
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(420)
+def test_dry_run_writes_the_report_and_every_exactness_check_passes(tmp_path: Path) -> None:
+    out, checks_file = tmp_path / "gpu.md", tmp_path / "gpu.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env.pop(RUN_DIR_ENV, None)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), "--json", str(checks_file)],
+        capture_output=True, text=True, timeout=360, env=env, check=False,
+    )  # fmt: skip
+    assert out.exists(), result.stderr[-3000:]
+    report = out.read_text()
+    assert report.startswith("# GPU check: CPU DRY RUN")
+    checks = json.loads(checks_file.read_text())
+    exactness = [check for check in checks if check["section"] in EXACTNESS_SECTIONS]
+    names = {check["name"] for check in exactness}
+    assert {"dense cp=4 math", "packed cp=4 cpu_flash", "layout packed (15 docs) float cp=4"} <= names
+    assert any(name.startswith("attention packed cp=2 ulysses") for name in names)
+    assert all(check["status"] == "PASS" for check in exactness), [c for c in exactness if c["status"] != "PASS"]
+    train = [check for check in checks if check["section"] == "train"]
+    assert [check["status"] for check in train] == ["PASS"], train
+    assert {check["section"] for check in checks} == {"attention", "group", "perf", "train"}
+    assert result.returncode == 0, report
+
+
+@pytest.mark.timeout(120)
+def test_an_attention_kernel_that_is_slightly_wrong_fails_the_exactness_check(monkeypatch) -> None:
+    """Scaling the math kernel's block output by 1% (about two bf16 ulps) must fail; the true kernel passes."""
+    gpu_check = _load_script(monkeypatch)
+    settings = gpu_check.dry_run_settings(60.0)
+    case = gpu_check.make_case(settings, packed=True)
+    assert gpu_check.exactness_row(case, 2, "math")[1] == "PASS"
+
+    def scaled_forward(q, k, v, mask, causal, scale):
+        out, lse = kernels.math_forward(q, k, v, mask, causal, scale)
+        return out * 1.01, lse
+
+    monkeypatch.setitem(api._KERNELS, "math", kernels.BlockKernel("math", scaled_forward, kernels.math_backward))
+    row, status, _ = gpu_check.exactness_row(case, 2, "math")
+    assert status == "FAIL", row
