@@ -134,14 +134,14 @@ WORLD_4_RUNS = [
         "cp2tp2-dense",
         ATTENTION,
         "dense",
-        {"context_parallel_size": 2, "tensor_parallel_size": 2},
+        {"context_parallel_size": 2, "tensor_parallel_size": 2, "data_parallel": "fsdp"},
         tensor_parallel=True,
     ),
     FitRun(
         "cp2tp2-hybrid-packed-ring",
         HYBRID,
         "packed",
-        {"context_parallel_size": 2, "tensor_parallel_size": 2, "attention_mode": "ring"},
+        {"context_parallel_size": 2, "tensor_parallel_size": 2, "attention_mode": "ring", "data_parallel": "fsdp"},
         tensor_parallel=True,
     ),
 ]
@@ -245,11 +245,13 @@ def test_training_matches_one_process(name: str) -> None:
         for step in range(STEPS):
             expected = reference_losses[step][replicas.index(result["dp_rank"])]
             assert_close(result["losses"][step], expected, f"{name} step {step} loss")
-        for parameter, expected in reference_weights.items():
-            actual = torch.from_numpy(result["weights"][parameter])
-            scale = expected.abs().max().item()
-            error = (actual - expected).abs().max().item()
-            assert error <= 1e-9 * scale, f"{name} {parameter}: max error {error} vs scale {scale}"
+    weights = per_rank[0]["weights"]  # the full state is gathered on global rank 0 (what a checkpoint writes)
+    assert sorted(weights) == sorted(reference_weights), f"{name}: state keys {sorted(weights)}"
+    for parameter, expected in reference_weights.items():
+        actual = torch.from_numpy(weights[parameter])
+        scale = expected.abs().max().item()
+        error = (actual - expected).abs().max().item()
+        assert error <= 1e-9 * scale, f"{name} {parameter}: max error {error} vs scale {scale}"
 
 
 @pytest.mark.parametrize("name", list(RUNS))

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 
@@ -100,6 +101,12 @@ def all_to_all_v(
 def is_initialized() -> bool:
     """Return whether the default process group is up."""
     return dist.is_available() and dist.is_initialized()
+
+
+def original_class_name(module: torch.nn.Module) -> str:
+    """Return the module's class name as its author wrote it (``fully_shard`` swaps in a class named ``FSDP<name>``)."""
+    cls = type(module)
+    return cls.__mro__[2].__name__ if isinstance(module, FSDPModule) else cls.__name__
 
 
 def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...]) -> DeviceMesh:

@@ -10,6 +10,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_cp.core import comm
 
+DATA_CONTEXT_PARALLEL = "data_context_parallel"
+"""The flattened data x context dimension of the mesh: what FSDP shards over and gradients are averaged over."""
+
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -114,6 +117,13 @@ class ContextParallelMesh:
         """Return the number of tensor-parallel ranks."""
         return self.dims.tensor_parallel
 
+    @property
+    def data_context_mesh(self) -> DeviceMesh:
+        """Return the 1-D mesh of the flattened data x context ranks (FSDP shards over it, not over a 2-D mesh)."""
+        if self.device_mesh is None:
+            raise RuntimeError("a single-process mesh has no device mesh")
+        return self.device_mesh[DATA_CONTEXT_PARALLEL]
+
 
 def build_context_parallel_mesh(device_type: str, dims: ParallelDims) -> ContextParallelMesh:
     """Build the mesh over the default group (global rank = (dp * cp + cp_rank) * tp + tp_rank) and its groups.
@@ -135,7 +145,7 @@ def build_context_parallel_mesh(device_type: str, dims: ParallelDims) -> Context
         tp_group=comm.flattened_mesh_group(device_mesh, ("tensor_parallel",)),
         tp_cp_group=comm.flattened_mesh_group(device_mesh, (*cp_dims, "tensor_parallel")),
         dp_group=comm.flattened_mesh_group(device_mesh, ("data_parallel",)),
-        dp_cp_group=comm.flattened_mesh_group(device_mesh, ("data_parallel", *cp_dims)),
+        dp_cp_group=comm.flattened_mesh_group(device_mesh, ("data_parallel", *cp_dims), DATA_CONTEXT_PARALLEL),
         ulysses_group=None if dims.ulysses == 1 else device_mesh.get_group("context_parallel_ulysses"),
         ring_group=None if dims.ulysses == 1 else device_mesh.get_group("context_parallel_ring"),
         cp_rank=cp_group.rank(),

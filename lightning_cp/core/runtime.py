@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_cp.core import comm
 from lightning_cp.core.consensus import require_agreement, tensor_description
 from lightning_cp.core.layout.api import ContextParallelLayoutManager
 from lightning_cp.core.packed import host_copies
@@ -74,7 +75,7 @@ def select_layers(
     for name, module in model.named_modules():
         if any(name.startswith(f"{wrapped.name}.") for _, wrapped in selected if wrapped.name):
             continue
-        class_name = type(module).__name__
+        class_name = comm.original_class_name(module)
         matches = {
             layout
             for layout, patterns in ((CPLayout.ZIGZAG, zigzag_layers), (CPLayout.CONTIGUOUS, contiguous_layers))

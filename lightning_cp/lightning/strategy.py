@@ -1,10 +1,12 @@
-"""``CPZigzagStrategy`` (``strategy="cp_zigzag"``): DDP over data x context parallel ranks of a device mesh."""
+"""``CPZigzagStrategy`` (``strategy="cp_zigzag"``): DDP or FSDP2 over the data x context ranks of a device mesh."""
 
 from __future__ import annotations
 
 import copy
+import shutil
 from collections.abc import Mapping, MutableMapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -13,6 +15,8 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -29,18 +33,20 @@ from lightning_cp.core.mesh import (
     resolve_parallel_dims,
     validate_parallel_sizes,
 )
+from lightning_cp.core.runtime import select_layers
 from lightning_cp.core.step import ContextParallelSetting
 from lightning_cp.core.zigzag import LAYOUT_NAMES
-from lightning_cp.lightning import dtensor_params
+from lightning_cp.lightning import fsdp, state
 from lightning_cp.lightning.callback import ContextParallelLayoutCallback
 
 
 class CPZigzagStrategy(DDPStrategy):
-    """Context parallelism for any LightningModule: a data x context x tensor parallel mesh, DDP over DP x CP.
+    """Context parallelism for any LightningModule: a data x context x tensor parallel mesh, DDP or FSDP2 over DP x CP.
 
     Args:
         context_parallel_size: ranks sharing one sequence; ``None`` = the devices of a node (divided by tp).
-        tensor_parallel_size: ranks of one tensor-parallel group (applied by the module's ``configure_model``).
+        tensor_parallel_size: ranks of one tensor-parallel group (applied by the module's ``configure_model`` with
+            ``parallelize_module`` on ``self.device_mesh["tensor_parallel"]``; needs ``data_parallel="fsdp"``).
         data_parallel_size: replicas; ``"auto"`` = world size / (cp x tp).
         sequence_parallel: the residual stream is also sharded over the TP ranks (needs tp > 1).
         boundary_layout: layout of the residual stream outside the wrapped layers, ``"contiguous"`` or ``"zigzag"``.
@@ -49,14 +55,24 @@ class CPZigzagStrategy(DDPStrategy):
             within groups of ``ulysses_size`` neighbouring ranks, ring attention across the groups) or ``"auto"``
             (the mode that sends the fewest bytes for the model's head counts, chosen when processes start).
         ulysses_size: the Ulysses part of CP under ``"hybrid"`` (it divides cp and is smaller).
+        data_parallel: ``"ddp"`` (every rank holds the whole model; small models) or ``"fsdp"`` (FSDP2
+            ``fully_shard`` over the flattened data x context mesh, per layer the layout policy wraps and at the root,
+            unless ``configure_model`` sharded the module itself): parameters, gradients and optimizer state per rank
+            are 1 / (dp x cp) of the whole.
+        reshard_after_forward: (fsdp) free each layer's gathered weights after its forward and gather them again for
+            the backward (less memory, one more all-gather per layer).
+        cpu_offload: (fsdp) keep parameters, gradients and optimizer state on the CPU between uses.
+        save_distributed_checkpoint: write checkpoints as a folder of shards from every rank (torch distributed
+            checkpoint, loads at any world size) instead of one full-state file written by rank 0.
         **kwargs: the usual ``DDPStrategy`` options (``process_group_backend``, ``timeout``, ``start_method``) and
             keyword arguments of ``DistributedDataParallel`` (``find_unused_parameters``, ``static_graph``, ...).
 
     Every CP and TP rank of a replica sees the same batch (the sampler splits over DP only); gradients are averaged
-    over DP x CP; checkpoints hold the plain, full module state and load at any cp or under any other strategy. The
-    mesh is ``trainer.strategy.device_mesh`` and ``LightningModule.device_mesh`` in ``configure_model``, where
-    tensor parallelism is applied with DTensors (DDP reduces their local shards). With ``sequence_parallel`` every
-    parameter must be a DTensor: plain parameters get no gradient reduction over the TP ranks.
+    over DP x CP; checkpoints hold the full module and optimizer state keyed by parameter name (through
+    ``torch.distributed.checkpoint.state_dict``) and load at any (dp, cp, tp, ddp|fsdp), the weights also under
+    any other strategy. The mesh is ``trainer.strategy.device_mesh`` and ``LightningModule.device_mesh`` in
+    ``configure_model``. With ``sequence_parallel`` every parameter must be a DTensor on the TP mesh (replicated
+    ones as ``SequenceParallel`` makes them): a plain parameter's gradient would miss the other TP ranks' tokens.
     """
 
     strategy_name = "cp_zigzag"
@@ -70,6 +86,10 @@ class CPZigzagStrategy(DDPStrategy):
         boundary_layout: Literal["contiguous", "zigzag"] = "contiguous",
         attention_mode: Literal["allgather", "ring", "ulysses", "hybrid", "auto"] = "allgather",
         ulysses_size: int | None = None,
+        data_parallel: fsdp.DataParallel = "ddp",
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        save_distributed_checkpoint: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -96,6 +116,13 @@ class CPZigzagStrategy(DDPStrategy):
             )
         if hybrid and sequence_parallel:
             raise ValueError("attention_mode='hybrid' does not combine with sequence_parallel=True")
+        if data_parallel not in fsdp.DATA_PARALLEL_MODES:
+            raise ValueError(f"data_parallel={data_parallel!r} is invalid: expected 'ddp' or 'fsdp'")
+        if tensor_parallel_size != 1 and data_parallel != "fsdp":
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} needs data_parallel='fsdp': FSDP2 reduces the gradients "
+                "of tensor-parallel DTensor parameters, DDP cannot"
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -114,8 +141,12 @@ class CPZigzagStrategy(DDPStrategy):
         self.boundary_layout = boundary_layout
         self.attention_mode = attention_mode
         self.ulysses_size = ulysses_size
+        self.data_parallel = data_parallel
+        self.reshard_after_forward = reshard_after_forward
+        self.cpu_offload = cpu_offload
+        self.save_distributed_checkpoint = save_distributed_checkpoint
         self._cp_setting: ContextParallelSetting | None = None
-        self._localized_parameters: dtensor_params.LocalizedTensorParallelParameters | None = None
+        self._restored_from_folder = False
 
     @property
     def cp_setting(self) -> ContextParallelSetting:
@@ -190,7 +221,8 @@ class CPZigzagStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        """Like ``DDPStrategy.setup``, but evaluation synchronises weights over DP x CP instead of the whole world."""
+        """Like ``DDPStrategy.setup``, with FSDP2 under ``data_parallel="fsdp"``; evaluation under DDP synchronises
+        weights over DP x CP instead of the whole world."""
         assert self.accelerator is not None
         assert self.model is not None
         self.accelerator.setup(trainer)
@@ -199,48 +231,161 @@ class CPZigzagStrategy(DDPStrategy):
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if fitting:
+        mesh = self.cp_mesh
+        sharded = fsdp.check_wrapping(self.model, self.data_parallel, mesh.dims.data_parallel * mesh.cp_size)
+        if self.data_parallel == "fsdp":
+            if not sharded:
+                self._shard(trainer)
+            self._clip_over_meshes()
+        elif fitting:
             self.configure_ddp()
-            self.setup_optimizers(trainer)
         else:
-            comm.broadcast_module_states(self.model, self.cp_mesh.dp_cp_group)
+            comm.broadcast_module_states(self.model, mesh.dp_cp_group)
+        if fitting:
+            self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    def _shard(self, trainer: pl.Trainer) -> None:
+        """Start every rank from rank 0's weights, then ``fully_shard`` each layer the layout policy wraps, then the
+        root."""
+        assert self.model is not None
+        mesh = self.cp_mesh
+        comm.broadcast_module_states(self.model, mesh.dp_cp_group)
+        policy = next(cb for cb in trainer.callbacks if isinstance(cb, ContextParallelLayoutCallback)).policy
+        blocks = [module for module, _ in select_layers(self.model, policy.zigzag_layers, policy.contiguous_layers)]
+        fsdp.shard_module(
+            self.model,
+            blocks,
+            mesh.data_context_mesh,
+            reshard_after_forward=self.reshard_after_forward,
+            mp_policy=fsdp.mixed_precision_policy(str(self.precision_plugin.precision)),
+            offload=fsdp.offload_policy(self.cpu_offload),
+        )
+
+    def _clip_over_meshes(self) -> None:
+        """Clip gradient norms with ``fsdp.clip_grad_norm_``: FSDP2 and tensor parallelism leave DTensor gradients on
+        two meshes, which the precision plugin's single ``clip_grad_norm_`` cannot combine."""
+        plugin = self.precision_plugin
+
+        def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+            fsdp.clip_grad_norm_(plugin.main_params(optimizer), clip_val)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
-        """Wrap the model in DDP over the DP x CP group (tensor-parallel DTensor parameters reduced as local shards)."""
-        self._localized_parameters = dtensor_params.LocalizedTensorParallelParameters(model)
+        """Wrap the model in DDP over the DP x CP group."""
         device_ids = self.determine_ddp_device_ids()
         return DistributedDataParallel(
             module=model, device_ids=device_ids, process_group=self.cp_mesh.dp_cp_group, **self._ddp_kwargs
         )
 
+    def _redirected_step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run ``LightningModule.<name>`` through the module's ``__call__``, so FSDP's root hooks run around it."""
+        assert self.model is not None and self.lightning_module is not None
+        with context:
+            return self._forward_redirection(self.model, self.lightning_module, name, *args, **kwargs)
+
     @override
-    def teardown(self) -> None:
-        """Make tensor-parallel parameters DTensors again, then tear down as DDP does."""
-        if self._localized_parameters is not None:
-            self._localized_parameters.restore()
-            self._localized_parameters = None
-        super().teardown()
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the training step (through FSDP's root hooks under ``fsdp``)."""
+        if self.data_parallel != "fsdp":
+            return super().training_step(*args, **kwargs)
+        return self._redirected_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the validation step (through FSDP's root hooks under ``fsdp``)."""
+        if self.data_parallel != "fsdp":
+            return super().validation_step(*args, **kwargs)
+        return self._redirected_step("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the test step (through FSDP's root hooks under ``fsdp``)."""
+        if self.data_parallel != "fsdp":
+            return super().test_step(*args, **kwargs)
+        return self._redirected_step("test_step", self.precision_plugin.test_step_context(), *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the predict step (through FSDP's root hooks under ``fsdp``)."""
+        if self.data_parallel != "fsdp":
+            return super().predict_step(*args, **kwargs)
+        return self._redirected_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Restore after ``setup``: states load into the sharded module and its optimizer, in the Trainer's
+        precision (``64-true`` weights never pass through float32, so a resumed run continues bit-exactly)."""
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        """Let Lightning restore the optimizers, unless a checkpoint folder already loaded them."""
+        return not self._restored_from_folder
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Return the module state with tensor-parallel parameters gathered, so checkpoints load at any parallelism."""
+        """Return the module state: full tensors on global rank 0, or this rank's shards for a checkpoint folder."""
         assert self.lightning_module is not None
-        return dtensor_params.full_module_state(self.lightning_module)
+        return state.model_state(self.lightning_module, full=not self.save_distributed_checkpoint)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Return the optimizer state keyed by parameter name (full on global rank 0, or shards for a folder)."""
+        assert self.lightning_module is not None
+        optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        return state.optimizer_state(self.lightning_module, optimizer, full=not self.save_distributed_checkpoint)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load a full-state checkpoint, cutting this rank's shard of every tensor-parallel parameter.
-
-        The module is put in the Trainer's precision first (Lightning restores before it converts), so ``64-true``
-        weights never pass through float32 and a resumed run continues bit-exactly.
-        """
+        """Load a full-state checkpoint, cutting this rank's shard of every sharded parameter (a checkpoint folder
+        was loaded by ``load_checkpoint`` already)."""
         assert self.lightning_module is not None
-        self.precision_plugin.convert_module(self.lightning_module)
-        dtensor_params.load_full_module_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
+        if "state_dict" in checkpoint:
+            state.load_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load each optimizer's full state (keyed by parameter name, or by index as ``Optimizer.state_dict``)."""
+        assert self.lightning_module is not None
+        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+            state.load_optimizer_state(self.lightning_module, optimizer, saved)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        """Write the checkpoint: one file from global rank 0, or a folder of shards from every rank."""
+        if not self.save_distributed_checkpoint:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        state.save_distributed(checkpoint, Path(self.broadcast(str(filepath))), self.is_global_zero, self.barrier)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read a checkpoint file, or load a checkpoint folder straight into the module and optimizers (resharded)."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not state.is_distributed_checkpoint(path):
+            return super().load_checkpoint(path, weights_only)
+        assert self.lightning_module is not None
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        self._restored_from_folder = bool(optimizers)
+        return state.load_distributed(path, self.lightning_module, optimizers, self.lightning_module.strict_loading)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Remove a checkpoint file or folder (global rank 0)."""
+        if self.is_global_zero and Path(filepath).is_dir():
+            shutil.rmtree(filepath)
+        else:
+            super().remove_checkpoint(filepath)
 
     @classmethod
     @override

@@ -17,6 +17,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from lightning_cp.core.attention.api import MODES
 from lightning_cp.core.runtime import LayerPolicy
 from lightning_cp.core.zigzag import LAYOUT_NAMES
+from lightning_cp.lightning.fsdp import DATA_PARALLEL_MODES
 from lightning_cp.train.models.llama import LlamaConfig
 
 
@@ -35,6 +36,7 @@ Precision = _choices("Precision", ("64-true", "32-true", "32", "bf16-mixed", "bf
 BoundaryLayout = _choices("BoundaryLayout", LAYOUT_NAMES)
 AttentionMode = _choices("AttentionMode", (*MODES, "auto"))
 ProcessGroupBackend = _choices("ProcessGroupBackend", ("gloo", "nccl"))
+DataParallel = _choices("DataParallel", DATA_PARALLEL_MODES)
 
 
 class ConfigError(ValueError):
@@ -107,6 +109,9 @@ class StrategyConfig:
     boundary_layout: BoundaryLayout = BoundaryLayout["contiguous"]
     attention_mode: AttentionMode = AttentionMode["allgather"]
     ulysses_size: int | None = None
+    data_parallel: DataParallel = DataParallel["ddp"]
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
     process_group_backend: ProcessGroupBackend | None = None
     timeout_s: float = 1800.0
 
@@ -135,10 +140,12 @@ class OptimConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Checkpoint cadence, fine-tuning start point and resumption."""
+    """Checkpoint cadence, format (one full-state file, or with ``distributed`` a folder of shards written by every
+    rank), fine-tuning start point and resumption."""
 
     every_n_steps: int = 50
     save_top_k: int = 1
+    distributed: bool = False
     init_from: str | None = None
     resume_from: str | None = None
 
@@ -258,6 +265,27 @@ def _explain(error: OmegaConfBaseException, origin: str, layer: Any) -> ConfigEr
     return ConfigError(f"{origin}: {str(error).splitlines()[0]}")
 
 
+def _check_sharding(cfg: DictConfig) -> None:
+    """Check the FSDP options and tensor parallelism against the data-parallel mode and the model's sizes."""
+    strategy = cfg.strategy
+    fsdp = strategy.data_parallel.value == "fsdp"
+    tp = strategy.tensor_parallel_size
+    if tp > 1 and not fsdp:
+        raise ConfigError(f"strategy.tensor_parallel_size: {tp} needs strategy.data_parallel=fsdp")
+    if strategy.cpu_offload and not fsdp:
+        raise ConfigError("strategy.cpu_offload: true needs strategy.data_parallel=fsdp")
+    if tp > 1 and cfg.model.pretrained:
+        raise ConfigError(
+            f"strategy.tensor_parallel_size: {tp} with model.pretrained; tensor parallelism has a plan for the "
+            "built-in model only"
+        )
+    if tp > 1 and not cfg.model.pretrained:
+        sizes = {name: cfg.model[name] for name in ("num_heads", "num_kv_heads", "intermediate_size")}
+        for name, size in sizes.items():
+            if size % tp:
+                raise ConfigError(f"strategy.tensor_parallel_size: {tp} does not divide model.{name}={size}")
+
+
 def _check_values(cfg: DictConfig) -> None:
     """Check positive sizes and the world size against cp x tp (omegaconf checked types and choices)."""
     for key in POSITIVE:
@@ -271,6 +299,7 @@ def _check_values(cfg: DictConfig) -> None:
     strategy = cfg.strategy
     if strategy.sequence_parallel and strategy.tensor_parallel_size == 1:
         raise ConfigError("strategy.sequence_parallel: true needs strategy.tensor_parallel_size > 1")
+    _check_sharding(cfg)
     if not strategy.timeout_s > 0:
         raise ConfigError(f"strategy.timeout_s: got {strategy.timeout_s}; expected seconds > 0")
     dp = strategy.data_parallel_size

@@ -44,15 +44,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Attend over ``x`` ``[B, S_local, hidden]`` whose tokens sit at ``position_ids`` ``[B, S_local]``."""
+        """Attend over ``x`` ``[B, S_local, hidden]`` whose tokens sit at ``position_ids`` ``[B, S_local]`` (under
+        tensor parallelism with this rank's share of the heads)."""
         batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x).view(batch, seq, -1, self.head_dim)  # this TP rank's heads
+        k = self.k_proj(x).view(batch, seq, -1, self.head_dim)
+        v = self.v_proj(x).view(batch, seq, -1, self.head_dim)
         cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.rope_theta, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = cp_attention(q, k, v, causal=True)
-        return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(batch, seq, -1))
 
 
 class SwiGLU(nn.Module):

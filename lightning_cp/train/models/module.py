@@ -6,9 +6,11 @@ import dataclasses
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from lightning_cp.lightning.module import CausalLMModule
 from lightning_cp.train.models.llama import LlamaConfig, LlamaDecoder
+from lightning_cp.train.models.parallelize import apply_tensor_parallel
 
 
 class LlamaLM(CausalLMModule):
@@ -34,7 +36,19 @@ class LlamaLM(CausalLMModule):
             "min_lr_ratio": min_lr_ratio,
         }
         self.save_hyperparameters({**dataclasses.asdict(config), **optimizer})
+        self.config = config
         self.model = LlamaDecoder(config)
+
+    def configure_model(self) -> None:
+        """Apply the decoder's tensor-parallel plan when the strategy's mesh has more than one TP rank (once)."""
+        mesh = self.device_mesh
+        if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()):
+            return
+        tp_mesh = mesh["tensor_parallel"]
+        if tp_mesh.size() == 1 or isinstance(self.model.layers[0].attention.q_proj.weight, DTensor):
+            return
+        sequence_parallel = bool(getattr(self.trainer.strategy, "sequence_parallel", False))
+        apply_tensor_parallel(self.model, self.config, tp_mesh, sequence_parallel)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Return the logits of this rank's tokens."""

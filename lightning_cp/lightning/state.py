@@ -1,0 +1,117 @@
+"""Model and optimizer state through ``torch.distributed.checkpoint``: one portable full-state file, or a folder of
+shards written by every rank (DCP) that loads at any other world size.
+
+Full states are keyed by parameter names (FSDP, tensor parallelism and DDP agree on them), so a checkpoint written
+under any (dp, cp, tp, ddp|fsdp) loads under any other, and its ``state_dict`` under a plain Lightning strategy.
+The folder format is Lightning's ``ModelParallelStrategy`` one: DCP shards of ``state_dict`` and ``optimizer_<i>``
+plus ``meta.pt`` with the rest of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+META_FILE = "meta.pt"
+DCP_METADATA_FILE = ".metadata"
+_GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def is_distributed_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a complete checkpoint folder (DCP writes its ``.metadata`` last, we write ``meta.pt``)."""
+    path = Path(path)
+    return path.is_dir() and (path / DCP_METADATA_FILE).is_file() and (path / META_FILE).is_file()
+
+
+def model_state(module: nn.Module, full: bool = True) -> dict[str, Any]:
+    """Return the module's state: full tensors on global rank 0 (empty elsewhere), or this rank's shards."""
+    return get_model_state_dict(module, options=_GATHERED if full else StateDictOptions())
+
+
+def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, full: bool = True) -> dict[str, Any]:
+    """Return the optimizer's state keyed by parameter name: full on global rank 0 (empty elsewhere), or shards."""
+    return get_optimizer_state_dict(module, optimizer, options=_GATHERED if full else StateDictOptions())
+
+
+def load_model_state(module: nn.Module, state: Mapping[str, Any], strict: bool = True) -> None:
+    """Load full tensors (held by every rank) into the module, cutting this rank's shard of every DTensor."""
+    set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """Load a full optimizer state (keyed by parameter name, or by index as ``Optimizer.state_dict`` writes it)."""
+    state = _keyed_by_name(module, optimizer, state)
+    set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def _keyed_by_name(module: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> dict[str, Any]:
+    """Re-key an index-keyed optimizer state (a plain ``Optimizer.state_dict()``) by parameter names."""
+    if all(isinstance(key, str) for key in state["state"]):
+        return dict(state)
+    names = {id(parameter): name for name, parameter in module.named_parameters()}
+    index_to_name = {
+        index: names[id(parameter)]
+        for saved_group, group in zip(state["param_groups"], optimizer.param_groups, strict=True)
+        for index, parameter in zip(saved_group["params"], group["params"], strict=True)
+    }
+    groups = [{**group, "params": [index_to_name[i] for i in group["params"]]} for group in state["param_groups"]]
+    return {"state": {index_to_name[i]: value for i, value in state["state"].items()}, "param_groups": groups}
+
+
+def save_distributed(
+    checkpoint: dict[str, Any], path: Path, is_global_zero: bool, barrier: Any
+) -> None:
+    """Write a checkpoint folder from every rank: the shards of ``state_dict`` and ``optimizer_states`` through DCP,
+    the rest as ``meta.pt``; written under ``<name>.partial`` and renamed, so an interrupted save leaves no folder
+    under the real name."""
+    partial = path.with_name(path.name + ".partial")
+    if is_global_zero:
+        shutil.rmtree(partial, ignore_errors=True)
+    barrier("cp_zigzag checkpoint folder cleared")
+    shards = {"state_dict": checkpoint.pop("state_dict")}
+    shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
+    dcp.save(shards, checkpoint_id=partial)
+    if is_global_zero:
+        torch.save(checkpoint, partial / META_FILE)
+        replaced = path.with_name(path.name + ".replaced")
+        if path.exists():
+            path.rename(replaced) if path.is_dir() else path.unlink()
+        partial.rename(path)
+        shutil.rmtree(replaced, ignore_errors=True)
+    barrier("cp_zigzag checkpoint folder written")
+
+
+def load_distributed(
+    path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], strict: bool = True
+) -> dict[str, Any]:
+    """Load a checkpoint folder into the module and optimizers (DCP reshards to this run's layout) and return the
+    rest of the checkpoint."""
+    model_shards = {"state_dict": model_state(module, full=False)}
+    dcp.load(model_shards, checkpoint_id=path)
+    set_model_state_dict(module, model_shards["state_dict"], options=StateDictOptions(strict=strict))
+    for index, optimizer in enumerate(optimizers):
+        key = f"optimizer_{index}"
+        optimizer_shards = {key: optimizer_state(module, optimizer, full=False)}
+        dcp.load(optimizer_shards, checkpoint_id=path)
+        set_optimizer_state_dict(module, optimizer, optimizer_shards[key])
+    return torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+
+
+def load_distributed_weights(module: nn.Module, path: str | Path) -> None:
+    """Load the weights of a checkpoint folder into an unsharded module, in one process (``init_from``)."""
+    state = {"state_dict": module.state_dict()}
+    dcp.load(state, checkpoint_id=Path(path), no_dist=True)
+    module.load_state_dict(state["state_dict"])

@@ -1,0 +1,254 @@
+"""FSDP2 over DP x CP and DTensor tensor parallelism: training parity with one process, memory per rank, errors.
+
+The model is the main job's Llama-style ``LlamaLM`` with its own tensor-parallel plan, trained with AdamW and gradient
+clipping in float64. The reference is the same module on one device under plain Lightning (no ``cp_zigzag``), with
+``accumulate_grad_batches`` standing in for data-parallel replicas.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+
+from lightning_cp import CPZigzagStrategy
+from lightning_cp.train.models import LlamaLM
+from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
+from tests.model_helpers import TRAINER_OPTIONS, VOCAB, dense_batches, packed_batches
+
+torch.set_num_threads(1)
+
+STEPS = 5
+ARCHITECTURE = {
+    "vocab_size": VOCAB,
+    "hidden_size": 48,
+    "num_layers": 2,
+    "num_heads": 6,
+    "num_kv_heads": 6,
+    "intermediate_size": 48,
+    "init_std": 0.2,
+}
+FIT_OPTIONS = {**TRAINER_OPTIONS, "precision": "64-true", "gradient_clip_val": 0.5, "max_steps": STEPS}
+
+
+class RecordingLM(LlamaLM):
+    """``LlamaLM`` that records each step's replica mean loss and the bytes this rank holds for its model state."""
+
+    def __init__(self, **architecture: Any) -> None:
+        torch.manual_seed(0)
+        super().__init__(lr=3e-2, warmup_steps=0, **{**ARCHITECTURE, **architecture})
+        self.losses: list[float] = []
+        self.indices: list[int] = []
+        self.parameter_and_gradient_bytes = 0
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        """Return the scaled loss and record the replica mean."""
+        out = self._loss(batch)
+        self.losses.append(out.mean.item())
+        self.indices.append(int(batch["index"]))
+        return out.loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Record the local bytes of parameters and gradients while both exist."""
+        tensors = [p for p in self.parameters()] + [p.grad for p in self.parameters() if p.grad is not None]
+        self.parameter_and_gradient_bytes = sum(local_bytes(tensor) for tensor in tensors)
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Return the bytes of this rank's part of ``tensor``."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def whole_model_state_bytes(module: torch.nn.Module) -> int:
+    """Return the bytes of the whole (unsharded) parameters, gradients and two AdamW moments of ``module``."""
+    return 4 * sum(p.numel() * p.element_size() for p in module.parameters())  # a DTensor's numel is the global one
+
+
+def batches(kind: str) -> list[dict[str, torch.Tensor]]:
+    """Return enough batches for two replicas."""
+    return (dense_batches if kind == "dense" else packed_batches)(2 * STEPS)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """One ``trainer.fit`` under ``cp_zigzag``: batch kind and strategy arguments."""
+
+    name: str
+    world_size: int
+    batch_kind: str
+    strategy: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def replicas(self) -> int:
+        """Return the data-parallel size."""
+        cp = self.strategy.get("context_parallel_size", self.world_size)
+        return self.world_size // (cp * self.strategy.get("tensor_parallel_size", 1))
+
+
+FSDP = {"data_parallel": "fsdp"}
+SP = {"tensor_parallel_size": 2, "sequence_parallel": True}
+FITS = [
+    Fit("fsdp-cp2-dense", 2, "dense", FSDP),
+    Fit("fsdp-cp2-packed-ring", 2, "packed", {**FSDP, "attention_mode": "ring"}),
+    Fit("fsdp-cp2-packed-offload", 2, "packed", {**FSDP, "cpu_offload": True}),
+    Fit("ddp-cp2-packed", 2, "packed"),
+    Fit("fsdp-dp2cp2-packed", 4, "packed", {**FSDP, "context_parallel_size": 2}),
+    Fit("fsdp-cp4-dense-no-reshard", 4, "dense", {**FSDP, "reshard_after_forward": False}),
+    Fit("fsdp-cp2tp2-dense", 4, "dense", {**FSDP, "context_parallel_size": 2, "tensor_parallel_size": 2}),
+    Fit("fsdp-cp2tp2-packed-sp", 4, "packed", {**FSDP, "context_parallel_size": 2, **SP}),
+    Fit("fsdp-cp2tp2-dense-sp", 4, "dense", {**FSDP, "context_parallel_size": 2, **SP}),
+    Fit("fsdp-cp2tp3-packed-sp", 6, "packed", {**FSDP, **SP, "context_parallel_size": 2, "tensor_parallel_size": 3}),
+    Fit("fsdp-cp2tp3-dense-sp", 6, "dense", {**FSDP, **SP, "context_parallel_size": 2, "tensor_parallel_size": 3}),
+]
+FITS_BY_NAME = {fit.name: fit for fit in FITS}
+
+
+def fit_on_rank(world_size: int, fits: list[Fit]) -> list[dict[str, Any]]:
+    """Run each fit in turn; return losses, rank 0's gathered weights and the local model-state bytes."""
+    results = []
+    for run in fits:
+        os.environ["WORLD_SIZE"] = str(world_size)  # Lightning's teardown removes it
+        model = RecordingLM()
+        trainer = pl.Trainer(devices=world_size, strategy=CPZigzagStrategy(**run.strategy), **FIT_OPTIONS)
+        trainer.fit(model, DataLoader(batches(run.batch_kind), batch_size=None))
+        optimizer_state = trainer.optimizers[0].state.values()
+        state_bytes = sum(local_bytes(value) for entry in optimizer_state for value in entry.values() if value.dim())
+        weights = trainer.strategy.lightning_module_state_dict()
+        results.append(
+            {
+                "losses": model.losses,
+                "indices": model.indices,
+                "weights": {name: tensor.numpy().copy() for name, tensor in weights.items()},
+                "model_state_bytes": model.parameter_and_gradient_bytes + state_bytes,
+                "whole_block_bytes": whole_model_state_bytes(model.model.layers[0]),
+                "whole_model_bytes": whole_model_state_bytes(model),
+                "dp_rank": trainer.strategy.cp_mesh.dp_rank,
+            }
+        )
+    return results
+
+
+def reference(batch_kind: str, order: tuple[int, ...], replicas: int) -> dict[str, Any]:
+    """Train on one device under plain Lightning on the batches in ``order``; each step accumulates the batches the
+    replicas took in that step."""
+    model = RecordingLM()
+    options = {**FIT_OPTIONS, "accumulate_grad_batches": replicas}
+    trainer = pl.Trainer(devices=1, strategy="auto", use_distributed_sampler=False, **options)
+    every = batches(batch_kind)
+    trainer.fit(model, DataLoader([every[index] for index in order], batch_size=None))
+    weights = {name: tensor.detach().numpy().copy() for name, tensor in model.state_dict().items()}
+    return {"losses": model.losses, "weights": weights}  # numpy: tensors cannot leave a forked rank that exits
+
+
+@cache
+def launch(world_size: int) -> list[list[dict[str, Any]]]:
+    """Fork the ranks once per world size and run all of its fits; indexed ``[rank][fit]``."""
+    fits = [fit for fit in FITS if fit.world_size == world_size]
+    return run_on_ranks(fit_on_rank, world_size, world_size, fits, init_process_group=False, timeout=300)
+
+
+@cache
+def reference_run(batch_kind: str, order: tuple[int, ...], replicas: int) -> dict[str, Any]:
+    """Return the one-device reference (in a forked process, so this one starts no thread pool)."""
+    return run_on_ranks(reference, 1, batch_kind, order, replicas, init_process_group=False, timeout=120)[0]
+
+
+def result_of(name: str) -> list[dict[str, Any]]:
+    """Return every rank's result of the named fit."""
+    run = FITS_BY_NAME[name]
+    index = [fit for fit in FITS if fit.world_size == run.world_size].index(run)
+    return [rank_results[index] for rank_results in launch(run.world_size)]
+
+
+@pytest.mark.parametrize("name", list(FITS_BY_NAME))
+def test_training_matches_one_device(name: str) -> None:
+    """Losses of every rank and rank 0's gathered weights equal one device's (float64, relative 1e-9)."""
+    run = FITS_BY_NAME[name]
+    per_rank = result_of(name)
+    by_replica = {result["dp_rank"]: result["indices"] for result in per_rank}
+    assert sorted(by_replica) == list(range(run.replicas))
+    order = tuple(by_replica[replica][step] for step in range(STEPS) for replica in range(run.replicas))
+    assert len(set(order)) == len(order), f"{name}: replicas shared a batch: {by_replica}"
+    expected = reference_run(run.batch_kind, order, run.replicas)
+    for result in per_rank:
+        assert result["indices"] == by_replica[result["dp_rank"]], f"{name}: ranks of a replica saw different data"
+        losses = expected["losses"][result["dp_rank"] :: run.replicas]
+        assert len(result["losses"]) == STEPS == len(losses)
+        for step, (actual, wanted) in enumerate(zip(result["losses"], losses, strict=True)):
+            assert abs(actual - wanted) <= 1e-9 * abs(wanted), f"{name} step {step}: {actual!r} != {wanted!r}"
+    weights = per_rank[0]["weights"]
+    assert sorted(weights) == sorted(expected["weights"])
+    for parameter, wanted in expected["weights"].items():
+        error = abs(weights[parameter] - wanted).max()
+        assert error <= 1e-9 * abs(wanted).max(), f"{name} {parameter}: max error {error}"
+
+
+@pytest.mark.parametrize("name", ["fsdp-cp2-dense", "fsdp-cp2-packed-ring", "fsdp-dp2cp2-packed", "ddp-cp2-packed"])
+def test_model_state_per_rank_is_the_whole_over_dp_times_cp(name: str) -> None:
+    """Under fsdp, parameters + gradients + optimizer state per rank are 1/(dp x cp) of the whole, within one block
+    (FSDP pads each parameter to a multiple of the ranks); under ddp every rank holds the whole."""
+    run = FITS_BY_NAME[name]
+    shards = run.world_size if run.strategy.get("data_parallel") == "fsdp" else 1
+    for result in result_of(name):
+        whole, block = result["whole_model_bytes"], result["whole_block_bytes"]
+        assert abs(result["model_state_bytes"] - whole / shards) <= block, (name, result["model_state_bytes"], whole)
+
+
+def fit_with_bad_setup(world_size: int, case: str) -> None:
+    """Fit a model set up wrongly for the case."""
+    os.environ["WORLD_SIZE"] = str(world_size)
+    strategy: dict[str, Any] = dict(FSDP)
+    model = RecordingLM()
+    if case == "tp does not divide the heads":
+        model = RecordingLM(num_heads=4, num_kv_heads=4)
+        strategy = {**FSDP, "context_parallel_size": 1, "tensor_parallel_size": 3}
+    elif case == "sharded over the data-parallel axis only":
+        from torch.distributed.fsdp import fully_shard
+
+        def shard_over_data_parallel() -> None:
+            fully_shard(model.model, mesh=model.device_mesh["data_parallel"])
+
+        model.configure_model = shard_over_data_parallel  # type: ignore[method-assign]
+    elif case == "fully_shard under ddp":
+        from torch.distributed.fsdp import fully_shard
+
+        strategy = {}
+        model.configure_model = lambda: fully_shard(model.model)  # type: ignore[method-assign]
+    trainer = pl.Trainer(devices=world_size, strategy=CPZigzagStrategy(**strategy), **FIT_OPTIONS)
+    trainer.fit(model, DataLoader(batches("packed"), batch_size=None))
+
+
+@pytest.mark.parametrize(
+    ("case", "world_size", "match"),
+    [
+        ("tp does not divide the heads", 3, "tensor_parallel_size=3 does not divide model.num_heads=4"),
+        ("sharded over the data-parallel axis only", 2, "is sharded over mesh dimensions ('data_parallel',)"),
+        ("fully_shard under ddp", 2, "configure_model applied fully_shard (to 'model') but data_parallel='ddp'"),
+    ],
+)
+def test_bad_setups_give_the_same_error_on_every_rank(case: str, world_size: int, match: str) -> None:
+    """A wrong TP size or a module sharded differently is one ``ValueError`` on every rank, no hang."""
+    assert_same_error_on_every_rank(
+        fit_with_bad_setup, world_size, world_size, case, match=match, init_process_group=False, timeout=120
+    )
+
+
+@pytest.mark.parametrize(
+    ("arguments", "match"),
+    [
+        ({"data_parallel": "zero3"}, "data_parallel='zero3' is invalid: expected 'ddp' or 'fsdp'"),
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 needs data_parallel='fsdp'"),
+    ],
+)
+def test_bad_arguments_fail_in_the_constructor(arguments: dict[str, Any], match: str) -> None:
+    """Arguments that can never work fail before any process starts."""
+    with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):
+        CPZigzagStrategy(**arguments)
