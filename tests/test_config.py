@@ -25,7 +25,13 @@ def test_defaults_then_file_then_overrides(tmp_path) -> None:
     assert list(cfg.data.sources) == ["a.txt", "b.jsonl"] and cfg.run.name == "x"
     assert cfg.model.num_heads == 4
     whole_node = load_config(
-        None, ["strategy.context_parallel_size=null", "strategy.tensor_parallel_size=2", "trainer.devices=4"]
+        None,
+        [
+            "strategy.context_parallel_size=null",
+            "strategy.tensor_parallel_size=2",
+            "strategy.data_parallel=fsdp",
+            "trainer.devices=4",
+        ],
     )
     assert whole_node.strategy.context_parallel_size is None
 

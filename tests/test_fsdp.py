@@ -50,7 +50,7 @@ class RecordingLM(LlamaLM):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         """Return the scaled loss and record the replica mean."""
-        out = self._loss(batch)
+        out, _ = self._loss(batch)
         self.losses.append(out.mean.item())
         self.indices.append(int(batch["index"]))
         return out.loss

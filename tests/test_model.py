@@ -52,8 +52,8 @@ def test_packed_documents_do_not_see_each_other() -> None:
     first, second = list(range(40, 53)), list(range(60, 69))
     packed = collate_packed(pack_documents([first, second], budget=32))
     assert packed["cu_seqlens"].tolist() == [0, 13, 22]
-    loss_packed = model._loss(dict(packed)).mean
-    losses = [model._loss({"input_ids": torch.tensor([doc])}) for doc in (first, second)]
+    loss_packed = model._loss(dict(packed))[0].mean
+    losses = [model._loss({"input_ids": torch.tensor([doc])})[0] for doc in (first, second)]
     expected = (losses[0].mean * 12 + losses[1].mean * 8) / 20
     assert float(loss_packed) == pytest.approx(float(expected), rel=1e-12)
     alone = model(torch.tensor([second]), torch.arange(9).unsqueeze(0))
@@ -91,7 +91,7 @@ def test_activation_checkpointing_gives_the_same_gradients() -> None:
         calls: list[int] = []
         for layer in model.model.layers:
             layer.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1), with_kwargs=True)
-        model._loss(dict(batch)).loss.backward()
+        model._loss(dict(batch))[0].loss.backward()
         assert len(calls) == runs_per_layer * len(model.model.layers), "checkpointed layers recompute in backward"
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads, strict=True):

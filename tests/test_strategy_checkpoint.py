@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy
@@ -68,7 +69,7 @@ LOADERS = {  # name -> (world size, strategy arguments or None for plain Lightni
     "cp_zigzag cp=4": (4, {}, False, (1, 4, 1)),
     "cp_zigzag cp2 x tp2, tensor parallel": (
         4,
-        {"context_parallel_size": 2, "tensor_parallel_size": 2},
+        {"context_parallel_size": 2, "tensor_parallel_size": 2, "data_parallel": "fsdp"},
         True,
         (1, 2, 2),
     ),
@@ -113,7 +114,7 @@ def test_checkpoint_from_cp2_loads_at_cp1_cp4_tp2_and_plain_lightning(tmp_path: 
 def test_tensor_parallel_checkpoint_is_gathered_and_loads_on_one_device(tmp_path: Path) -> None:
     """A cp2 x tp2 run with sharded MLPs writes full weights that load at cp=1 without tensor parallelism."""
     path = str(tmp_path / "cp2tp2.ckpt")
-    strategy = {"context_parallel_size": 2, "tensor_parallel_size": 2}
+    strategy = {"context_parallel_size": 2, "tensor_parallel_size": 2, "data_parallel": "fsdp"}
     saved_losses = run_on_ranks(train_and_save, 4, 4, path, strategy, True, init_process_group=False)
     assert all(losses == saved_losses[0] for losses in saved_losses)
     assert_single_plain_checkpoint(tmp_path, path)
@@ -136,12 +137,11 @@ class RankStampedModel(TinyTransformer):
             self.head.bias.fill_(float(self.global_rank))
 
     def on_validation_start(self) -> None:
-        """Record the weights evaluation starts from."""
-        self.bias_at_validation = self.head.bias[0].item()
+        """Record the weights evaluation starts from (gathered, when FSDP sharded them)."""
+        bias = self.head.bias
+        self.bias_at_validation = (bias.full_tensor() if isinstance(bias, DTensor) else bias)[0].item()
 
-    def on_test_start(self) -> None:
-        """Record the weights testing starts from."""
-        self.bias_at_validation = self.head.bias[0].item()
+    on_test_start = on_validation_start
 
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Evaluate like ``validation_step``."""
@@ -156,7 +156,7 @@ def evaluate_rank_stamped(world_size: int) -> dict[str, dict[str, Any]]:
         model = RankStampedModel()
         trainer = pl.Trainer(
             devices=world_size,
-            strategy=CPZigzagStrategy(context_parallel_size=2, tensor_parallel_size=2),
+            strategy=CPZigzagStrategy(context_parallel_size=2, tensor_parallel_size=2, data_parallel="fsdp"),
             **TRAINER_OPTIONS,
         )
         getattr(trainer, stage)(model, DataLoader(validation_batches(), batch_size=None), verbose=False)

@@ -35,16 +35,15 @@ class CausalLMModule(pl.LightningModule):
         """Return the logits ``[B, S_local, vocab]`` of this rank's tokens."""
         raise NotImplementedError
 
-    def _loss(self, batch: dict[str, Any]) -> CPLoss:
-        """Return the CP-aware loss of a sharded batch (or of a raw batch on one device)."""
+    def _loss(self, batch: dict[str, Any]) -> tuple[CPLoss, int]:
+        """Return the CP-aware loss of a sharded batch (or of a raw batch on one device) and its target count."""
         if "position_ids" not in batch or "loss_token_count" not in batch:
             return self._single_device_loss(batch)
-        return cp_cross_entropy(
-            self.logits(batch["input_ids"], batch["position_ids"]), batch["labels"], batch["loss_token_count"]
-        )
+        logits = self.logits(batch["input_ids"], batch["position_ids"])
+        return cp_cross_entropy(logits, batch["labels"], batch["loss_token_count"]), int(batch["loss_token_count"])
 
-    def _single_device_loss(self, batch: dict[str, Any]) -> CPLoss:
-        """Prepare a raw replica batch as the layout callback would, at cp=1, and return its loss."""
+    def _single_device_loss(self, batch: dict[str, Any]) -> tuple[CPLoss, int]:
+        """Prepare a raw replica batch as the layout callback would, at cp=1, and return its loss and target count."""
         runtime = self.__dict__.get("_single_device_runtime")
         if runtime is None:  # a plain attribute, not a submodule: it holds hooks, no state
             runtime = self.__dict__["_single_device_runtime"] = ContextParallelRuntime(ContextParallelSetting())
@@ -52,20 +51,21 @@ class CausalLMModule(pl.LightningModule):
         batch = dict(batch)
         with runtime.step(batch):
             logits = self.logits(batch["input_ids"], batch["position_ids"])
-            return cp_cross_entropy(logits, batch["labels"], batch["loss_token_count"])
+            count = int(batch["loss_token_count"])
+            return cp_cross_entropy(logits, batch["labels"], count), count
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         """Return the scaled loss; log the replica-wide mean loss per step."""
-        out = self._loss(batch)
+        out, _ = self._loss(batch)
         self.log("train_loss", out.mean, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
         return out.loss
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Log the validation loss, weighted by each batch's number of target tokens."""
-        out = self._loss(batch)
-        self.log("val_loss", out.mean, prog_bar=True, sync_dist=True, batch_size=int(batch["loss_token_count"]))
+        out, count = self._loss(batch)
+        self.log("val_loss", out.mean, prog_bar=True, sync_dist=True, batch_size=count)
 
     @override
     def on_validation_epoch_end(self) -> None:

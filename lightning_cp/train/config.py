@@ -299,7 +299,6 @@ def _check_values(cfg: DictConfig) -> None:
     strategy = cfg.strategy
     if strategy.sequence_parallel and strategy.tensor_parallel_size == 1:
         raise ConfigError("strategy.sequence_parallel: true needs strategy.tensor_parallel_size > 1")
-    _check_sharding(cfg)
     if not strategy.timeout_s > 0:
         raise ConfigError(f"strategy.timeout_s: got {strategy.timeout_s}; expected seconds > 0")
     dp = strategy.data_parallel_size
@@ -328,6 +327,7 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError("trainer.devices: got 'auto'; on CPU give the number of processes (cp x tp x dp)")
     elif not (isinstance(devices, str) and devices == "auto") and not OmegaConf.is_list(devices) and devices != -1:
         raise ConfigError(f"trainer.devices: got '{devices}'; expected a positive integer, a list of ids, -1 or auto")
+    _check_sharding(cfg)
 
 
 def packaged_configs() -> Path:

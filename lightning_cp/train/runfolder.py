@@ -98,19 +98,20 @@ def check_fresh_or_resumed(run_dir: Path, resuming: bool) -> None:
 
 
 def resolve_checkpoint(path: str | None, run_dir: Path, readable: Callable[[str], bool] | None = None) -> str | None:
-    """Return the checkpoint file ``path`` names; ``"last"`` is the run folder's ``checkpoints/last.ckpt``, or, when
-    that one is missing or unreadable (``readable``), the newest readable step checkpoint (saying so)."""
+    """Return the checkpoint (a file, or a folder of shards) ``path`` names; ``"last"`` is the run folder's
+    ``checkpoints/last.ckpt``, or, when that one is missing or unreadable (``readable``), the newest readable step
+    checkpoint (saying so)."""
     if path is None:
         return None
     if path != "last":
         resolved = Path(path).expanduser()
-        if not resolved.is_file():
+        if not resolved.exists():
             raise FileNotFoundError(f"checkpoint {resolved} does not exist")
         return str(resolved)
     folder = run_dir / CHECKPOINT_DIR
     candidates = [folder / LAST_CHECKPOINT, *sorted(folder.glob("step*.ckpt"), reverse=True)]
     for candidate in candidates:
-        if candidate.is_file() and (readable is None or readable(str(candidate))):
+        if candidate.exists() and (readable is None or readable(str(candidate))):
             if candidate.name != LAST_CHECKPOINT:
                 print(f"lightning-cp: {folder / LAST_CHECKPOINT} is missing or unreadable; resuming {candidate.name}")
             return str(candidate)
@@ -145,13 +146,14 @@ def save_config(cfg: DictConfig, run_dir: Path) -> Path:
     return path
 
 
-def save_pretrained(model: Any, tokenizer: Any, run_dir: Path) -> Path:
-    """Save a Hugging Face model (with its default attention, so plain ``transformers`` loads it) and tokenizer."""
+def save_pretrained(model: Any, tokenizer: Any, run_dir: Path, weights: dict[str, Any]) -> Path:
+    """Save a Hugging Face model's full ``weights`` (gathered: the model itself may hold FSDP shards) with its
+    default attention, so plain ``transformers`` loads it, and the tokenizer."""
     path = run_dir / HF_DIR
     implementation = model.config._attn_implementation
     model.set_attn_implementation("sdpa")
     try:
-        model.save_pretrained(path)
+        model.save_pretrained(path, state_dict=weights)
     finally:
         model.set_attn_implementation(implementation)
     tokenizer.save_pretrained(str(path))
