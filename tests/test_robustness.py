@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -13,8 +18,8 @@ import torch
 
 from lightning_cp.train import runfolder
 from lightning_cp.train.cli import main
-from lightning_cp.train.runner import StopOnNonFiniteLoss
-from tests.cli_helpers import run_cli
+from lightning_cp.train.runner import EndRanksOnFailure, StopOnNonFiniteLoss, end_ranks_left_behind
+from tests.cli_helpers import SCRIPT, cli_env, run_cli
 
 
 class _Exploit:
@@ -193,3 +198,150 @@ def test_a_resumed_run_continues_bit_exactly(tmp_path: Path, precision: str) -> 
     ((straight, resumed),) = run_on_ranks(_resume_losses, 1, str(tmp_path), precision, init_process_group=False)
     assert len(straight) == 4 and len(resumed) == 2
     assert resumed == straight[2:], f"resumed {resumed} vs uninterrupted {straight[2:]}"
+
+
+TINY = ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=176", "data.tokens_per_sample=512"]
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (state, ppid, pgrp, session, ...); None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _processes(field: int, value: int) -> list[int]:
+    """Live (not zombie) processes whose stat ``field`` (1: parent, 3: session) is ``value``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        stat = _proc_stat(int(entry)) if entry.isdigit() else None
+        if stat is not None and int(stat[field]) == value and stat[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+def _start_cli(*args: str, stderr: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start the console script in its own session (so everything it starts can be found and ended)."""
+    command = [SCRIPT, *args] if not args[0].endswith(".py") else [sys.executable, *args]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr.open("w"), env=env or cli_env(),
+                            start_new_session=True)  # fmt: skip
+
+
+def _end_session(process: subprocess.Popen) -> None:
+    """Leave nothing behind: continue and kill whatever of the session still runs, reap the launcher."""
+    for pid in _processes(3, process.pid):
+        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGKILL)
+    process.wait()
+
+
+def _error_lines(stderr: Path) -> list[str]:
+    return [line for line in stderr.read_text().splitlines() if line.startswith("lightning-cp: error")]
+
+
+def _held_port() -> socket.socket:
+    """A listening socket on a free port: what another program holding MASTER_PORT looks like."""
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    return holder
+
+
+def test_a_taken_master_port_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
+    stderr = tmp_path / "stderr.txt"
+    with _held_port() as holder:
+        port = holder.getsockname()[1]
+        started = time.monotonic()
+        process = _start_cli("fit", "trainer.max_steps=2", f"run.root={tmp_path / 'runs'}", stderr=stderr,
+                             env={**cli_env(), "MASTER_PORT": str(port)})  # fmt: skip
+        try:
+            returncode = process.wait(timeout=60)
+            assert time.monotonic() - started < 60 and returncode == 2
+            assert not _processes(3, process.pid), "a rank was left running"
+        finally:
+            _end_session(process)
+    lines = _error_lines(stderr)
+    assert len(lines) == 1 and f"MASTER_PORT={port} cannot be used" in lines[0] and "unset it" in lines[0], lines
+    assert "Traceback" not in stderr.read_text()
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir()), "a run folder was written"
+
+
+def test_a_launcher_that_fails_to_start_ends_the_ranks_it_started(tmp_path: Path) -> None:
+    """The port taken between the check and the launch (the check skipped here): the rank already started, waiting
+    for the launcher's rendezvous, is ended with it instead of waiting strategy.timeout_s, orphaned."""
+    wrapper = tmp_path / "unchecked.py"
+    wrapper.write_text(
+        "import sys\nfrom lightning_cp.train import cli, runner\n"
+        "runner.check_main_port = lambda: None\nsys.exit(cli.main(sys.argv[1:]))\n"
+    )
+    stderr = tmp_path / "stderr.txt"
+    with _held_port() as holder:
+        port = holder.getsockname()[1]
+        started = time.monotonic()
+        process = _start_cli(str(wrapper), "fit", "trainer.max_steps=2", f"run.root={tmp_path / 'runs'}",
+                             stderr=stderr, env={**cli_env(), "MASTER_PORT": str(port)})  # fmt: skip
+        try:
+            returncode = process.wait(timeout=90)
+            assert time.monotonic() - started < 90 and returncode != 0
+            assert not _processes(3, process.pid), "a rank was left running"
+        finally:
+            _end_session(process)
+    lines = _error_lines(stderr)
+    assert len(lines) == 1 and f"port: {port}" in lines[0] and "set MASTER_PORT to a free port" in lines[0], lines
+
+
+def test_ranks_left_behind_get_a_grace_then_are_killed() -> None:
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    stopped.send_signal(signal.SIGSTOP)
+    failing = subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(0.2); sys.exit(3)"])
+    trainer = SimpleNamespace(strategy=SimpleNamespace(launcher=SimpleNamespace(procs=[sleeper, stopped, failing])))
+    EndRanksOnFailure().on_exception(trainer, None, RuntimeError("failed here"))
+    started = time.monotonic()
+    try:
+        end_ranks_left_behind(grace_s=2.0)
+    finally:
+        for process in (sleeper, stopped, failing):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert time.monotonic() - started < 10
+    assert sleeper.returncode == stopped.returncode == -signal.SIGKILL
+    assert failing.returncode == 3, "a rank that ends within the grace keeps its own exit"
+
+
+@pytest.mark.parametrize("stopped_rank", [0, 1])
+def test_a_stopped_rank_ends_the_others_within_the_timeout(tmp_path: Path, stopped_rank: int) -> None:
+    """SIGSTOP one rank mid-training: gloo's collectives honour strategy.timeout_s, so the other rank fails with one
+    line within it; the launcher kills a stopped rank it started, and a stopped launcher dies once continued."""
+    timeout_s, margin_s = 10, 30  # the rendezvous waits timeout_s too: a rank starting on busy cores needs a few s
+    stderr, metrics = tmp_path / "stderr.txt", tmp_path / "runs" / "stop" / "metrics.csv"
+    args = ["fit", *TINY, "trainer.max_steps=100000", "data.val_fraction=0", f"strategy.timeout_s={timeout_s}"]
+    process = _start_cli(*args, f"run.root={tmp_path / 'runs'}", "run.name=stop", stderr=stderr)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) > 3):
+            assert process.poll() is None, stderr.read_text()[-2000:]
+            time.sleep(0.1)
+        (child,) = _processes(1, process.pid)
+        stopped, other = (process.pid, child) if stopped_rank == 0 else (child, process.pid)
+        os.kill(stopped, signal.SIGSTOP)
+        stop_time = time.monotonic()
+        while time.monotonic() - stop_time < timeout_s + margin_s and other in _processes(3, process.pid):
+            process.poll()  # reaps the launcher once it has ended
+            time.sleep(0.05)
+        assert other not in _processes(3, process.pid), f"rank {1 - stopped_rank} still runs"
+        if stopped_rank == 1:
+            assert process.wait(timeout=margin_s) != 0
+            assert _proc_stat(stopped) is None, "the launcher left its stopped rank behind"
+        else:
+            os.kill(stopped, signal.SIGCONT)
+            assert process.wait(timeout=margin_s) != 0
+        assert not _processes(3, process.pid)
+    finally:
+        _end_session(process)
+    text = stderr.read_text()
+    timed_out = [line for line in _error_lines(stderr) if f"Timed out waiting {timeout_s * 1000}ms" in line]
+    assert timed_out and "within strategy.timeout_s" in timed_out[0], text[-2000:]
+    assert "Traceback" not in text
