@@ -16,9 +16,10 @@ import torch
 from lightning.fabric.plugins import environments
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
+from lightning_cp.lightning import state
 from lightning_cp.lightning.callback import ContextParallelLayoutCallback
 from lightning_cp.lightning.module import CausalLMModule
 from lightning_cp.lightning.strategy import CPZigzagStrategy
@@ -68,7 +69,9 @@ def build_model(cfg: DictConfig) -> CausalLMModule:
         model: CausalLMModule = HFCausalLM(pretrained, gradient_checkpointing=gradient_checkpointing, **optim)
     else:
         model = LlamaLM(**architecture, **optim)
-    if cfg.checkpoint.init_from:
+    if cfg.checkpoint.init_from and state.is_distributed_checkpoint(cfg.checkpoint.init_from):
+        state.load_distributed_weights(model, cfg.checkpoint.init_from)
+    elif cfg.checkpoint.init_from:
         model.load_state_dict(load_checkpoint_meta(cfg.checkpoint.init_from)["state_dict"])
     return model
 
@@ -77,7 +80,7 @@ def build_strategy(cfg: DictConfig) -> CPZigzagStrategy:
     """Return the ``cp_zigzag`` strategy of ``cfg.strategy``."""
     kwargs: dict[str, Any] = plain(cfg.strategy)
     kwargs["timeout"] = timedelta(seconds=kwargs.pop("timeout_s"))
-    return CPZigzagStrategy(**kwargs)
+    return CPZigzagStrategy(**kwargs, save_distributed_checkpoint=cfg.checkpoint.distributed)
 
 
 def has_validation(cfg: DictConfig) -> bool:
@@ -187,11 +190,16 @@ def check_main_port() -> None:
 
 
 def load_checkpoint_meta(path: str) -> dict[str, Any]:
-    """Return a Lightning checkpoint's contents, memory-mapped so only what is read is loaded.
+    """Return a Lightning checkpoint's contents, memory-mapped so only what is read is loaded (of a checkpoint folder:
+    everything but the weights and optimizer state).
 
     Only tensors and plain values are unpickled (``weights_only=True``): opening a checkpoint never runs code in it.
     """
+    if Path(path).is_dir() and not state.is_distributed_checkpoint(path):
+        raise ConfigError(f"not a checkpoint (an incomplete folder, or not written by lightning-cp): {path}")
     try:
+        if Path(path).is_dir():
+            return torch.load(Path(path) / state.META_FILE, map_location="cpu", weights_only=True)
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError:
         raise ConfigError(
@@ -225,14 +233,8 @@ def check_checkpoint_fits(cfg: DictConfig, path: str, key: str) -> dict[str, Any
 
 
 def check_runnable(cfg: DictConfig) -> None:
-    """Refuse, before any process starts, what the main job cannot run: data that does not exist, tensor parallelism
-    (its models have no tensor-parallel plan yet: they would run replicated, or fail)."""
+    """Refuse, before any process starts, what the main job cannot run: data that does not exist."""
     check_data_sources(cfg)
-    if cfg.strategy.tensor_parallel_size > 1:
-        raise ConfigError(
-            f"strategy.tensor_parallel_size: got {cfg.strategy.tensor_parallel_size}; the main job's models have no "
-            "tensor-parallel plan yet, so only 1 is supported"
-        )
 
 
 def check_data_sources(cfg: DictConfig) -> None:
@@ -241,6 +243,32 @@ def check_data_sources(cfg: DictConfig) -> None:
         for source in cfg.data[key] or []:
             if source != EMBEDDED and not Path(source).expanduser().exists():
                 raise ConfigError(f"data.{key}: {source} does not exist (use files, folders, .jsonl or {EMBEDDED})")
+
+
+def data_parallel_replicas(cfg: DictConfig) -> int:
+    """The number of data-parallel replicas the strategy will make (1 when the device count is only known later)."""
+    if isinstance(cfg.strategy.data_parallel_size, int):
+        return cfg.strategy.data_parallel_size
+    devices = cfg.trainer.devices
+    per_node = len(devices) if OmegaConf.is_list(devices) else devices
+    if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
+        return 1
+    tp = cfg.strategy.tensor_parallel_size
+    cp = cfg.strategy.context_parallel_size or max(1, per_node // tp)
+    return per_node * cfg.trainer.num_nodes // (cp * tp)
+
+
+def prepare_data_first(cfg: DictConfig, datamodule: PackedTextDataModule, stage: str) -> None:
+    """Prepare the data once per node, in its first process, before any other rank starts (they load it), and
+    refuse a split too small for one batch as one line."""
+    check_data_sources(cfg)
+    if int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))) != 0:
+        return
+    datamodule.load()
+    validating = (stage == "validate" or has_validation(cfg)) and cfg.trainer.limit_val_batches != 0
+    problem = datamodule.size_problem(data_parallel_replicas(cfg), train=stage == "fit", val=validating)
+    if problem:
+        raise ConfigError(problem)
 
 
 def prepare_run(cfg: DictConfig) -> tuple[Path, str | None]:
@@ -267,17 +295,21 @@ def fit(cfg: DictConfig) -> Path:
     A pretrained model is saved with its tokenizer in ``<run folder>/hf`` at the end, loadable by ``transformers``.
     """
     check_main_port()
-    run_dir, resume = prepare_run(cfg)
-    pl.seed_everything(cfg.seed, workers=True, verbose=False)
     tokenizer = build_tokenizer(cfg)
     datamodule = build_datamodule(cfg, tokenizer)
+    prepare_data_first(cfg, datamodule, "fit")
+    run_dir, resume = prepare_run(cfg)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
     model = build_model(cfg)
     trainer = build_trainer(cfg, run_dir)
     if resume is None and has_validation(cfg):
         trainer.validate(model, datamodule=datamodule, verbose=False)
     trainer.fit(model, datamodule=datamodule, ckpt_path=resume, weights_only=True)
-    if cfg.model.pretrained and trainer.is_global_zero:
-        runfolder.save_pretrained(model.model, tokenizer, run_dir)
+    if cfg.model.pretrained:
+        weights = state.model_state(model)  # full tensors on global rank 0, also when FSDP sharded them
+        if trainer.is_global_zero:
+            weights = {name.removeprefix("model."): tensor for name, tensor in weights.items()}
+            runfolder.save_pretrained(model.model, tokenizer, run_dir, weights)
     if trainer.is_global_zero:
         runfolder.plot_losses(run_dir)
         print(runfolder.summary(run_dir), flush=True)
@@ -296,9 +328,11 @@ def validate(cfg: DictConfig) -> float:
         raise ConfigError("validate needs checkpoint.init_from=PATH (or checkpoint.resume_from=last)")
     check_checkpoint_fits(cfg, ckpt, "checkpoint")
     cfg.checkpoint.init_from, cfg.checkpoint.resume_from = ckpt, None
+    datamodule = build_datamodule(cfg)
+    prepare_data_first(cfg, datamodule, "validate")
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     trainer = build_trainer(cfg, run_dir, log=False)
-    results = trainer.validate(build_model(cfg), datamodule=build_datamodule(cfg), verbose=False)
+    results = trainer.validate(build_model(cfg), datamodule=datamodule, verbose=False)
     loss = float(results[0]["val_loss"])
     if trainer.is_global_zero:
         print(f"validation loss of {ckpt}: {loss:.6f}", flush=True)
