@@ -150,7 +150,8 @@ class TinyTransformer(pl.LightningModule):
         """Remember, for the first forward, the layout ``block`` runs in and the positions of its first row."""
         step = active_step()
         if step is not None and len(self.seen_layouts) < len(self.blocks):
-            self.seen_layouts.append((type(block).__name__, step.current_layout.value, position_ids[0].tolist()))
+            name = comm.original_class_name(block)  # FSDP2 renames the class
+            self.seen_layouts.append((name, step.current_layout.value, position_ids[0].tolist()))
 
     def configure_model(self) -> None:
         """With ``tensor_parallel``, shard each attention block's MLP column- then row-wise over the TP mesh (once)."""
