@@ -1,31 +1,213 @@
-"""LightningDataModule over packed (or dense) byte-tokenised documents with a resumable data order."""
+"""LightningDataModule over packed (or dense) tokenised documents with a resumable data order.
+
+Data is prepared once: ``prepare_data`` (Lightning calls it on local rank 0 while the other ranks wait) reads,
+tokenises, splits and packs into a cache folder keyed by everything the result depends on; ``setup`` on every rank
+memory-maps it (the ranks of a node share its pages). Tokens are flat arrays of 2 bytes each (4 for vocabularies
+over 65536), written as they are made, so memory stays bounded whatever the corpus size; tokens that are no target
+(prompts, non-assistant turns) are kept as ranges.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import math
-from collections.abc import Sequence
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
-import torch
-from torch.utils.data import DataLoader
+import numpy as np
+from lightning.pytorch.utilities import rank_zero_only
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
 
 from lightning_cp.train.data.collate import collate_dense, collate_packed
-from lightning_cp.train.data.packing import pack_documents
+from lightning_cp.train.data.packing import DenseRows, PackedSamples, cumulative, ignored_ranges, plan_packs
 from lightning_cp.train.data.sampler import ResumableSampler
-from lightning_cp.train.data.sources import EMBEDDED, load_documents, split_documents
-from lightning_cp.train.data.tokenizer import ByteTokenizer, Tokenizer, tokenize_example
+from lightning_cp.train.data.sources import EMBEDDED, describe_sources, iter_documents, split_documents
+from lightning_cp.train.data.tokenizer import ByteTokenizer, Example, Tokenizer, tokenize_example
+
+CACHE_ENV = "LIGHTNING_CP_DATA_CACHE"
+CACHE_FORMAT = 2
+PROGRESS_MIN_BYTES = 16 << 20
+FLUSH_TOKENS = 1 << 23
+SPLITS = ("train", "val")
+logger = logging.getLogger("lightning_cp.data")
 
 
-def dense_rows(
-    documents: Sequence[Sequence[int]], seq_len: int, labels: Sequence[Sequence[int]] | None = None
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Concatenate documents (and labels) and cut the stream into rows of ``seq_len`` tokens (the tail is dropped)."""
-    labels = documents if labels is None else labels
-    rows = []
-    for values in (documents, labels):
-        stream = torch.tensor([token for doc in values for token in doc], dtype=torch.long)
-        rows.append(list(stream[: stream.numel() // seq_len * seq_len].view(-1, seq_len)))
-    return list(zip(*rows, strict=True))
+def default_cache_dir() -> Path:
+    """``$LIGHTNING_CP_DATA_CACHE``, else ``$XDG_CACHE_HOME/lightning_cp/data`` (``~/.cache/lightning_cp/data``)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "lightning_cp" / "data"
+
+
+def _key(*parts: Any) -> str:
+    """A short hash of JSON-serialisable parts."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def token_dtype(tokenizer: Tokenizer) -> np.dtype:
+    """2-byte ids for vocabularies up to 65536 ids (the byte tokeniser's 257), else 4-byte ids."""
+    vocab = getattr(tokenizer, "vocab_size", None)
+    return np.dtype(np.uint16) if isinstance(vocab, int) and vocab <= 1 << 16 else np.dtype(np.int32)
+
+
+def example_arrays(
+    tokenizer: Tokenizer, example: Example, where: str, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Return the token ids of one example as an array and which of them are targets (None: all of them)."""
+    text = example if isinstance(example, str) else example.get("text")
+    if type(tokenizer) is ByteTokenizer and isinstance(text, str):
+        data = tokenizer.encode_bytes(text)
+        ids = np.empty(len(data) + 1, dtype=dtype)
+        ids[:-1] = np.frombuffer(data, dtype=np.uint8)
+        ids[-1] = tokenizer.eos_id
+        return ids, None
+    ids_list, labels = tokenize_example(tokenizer, example, where)
+    ids = np.asarray(ids_list, dtype=dtype)
+    return ids, None if labels == ids_list else np.asarray(labels) == ids
+
+
+@dataclass(frozen=True)
+class TokenStore:
+    """Every document's tokens one after another (document ``d`` is ``tokens[offsets[d]:offsets[d + 1]]``) and the
+    token ranges that are no target (``ignored``: ``[2, n]`` starts and ends; None: every token is a target)."""
+
+    tokens: np.ndarray
+    ignored: np.ndarray | None
+    offsets: np.ndarray
+
+    @property
+    def num_documents(self) -> int:
+        """Number of documents."""
+        return int(self.offsets.size - 1)
+
+    @classmethod
+    def open(cls, folder: Path) -> TokenStore:
+        """Memory-map a store that ``TokenWriter`` wrote into ``folder``."""
+        meta = json.loads((folder / "meta.json").read_text())
+        count, dtype = meta["tokens"], np.dtype(meta["dtype"])
+        path = folder / "tokens.bin"
+        tokens = np.memmap(path, dtype=dtype, mode="r", shape=(count,)) if count else np.zeros(0, dtype)
+        ignored = np.load(folder / "ignored.npy") if meta["ignored"] else None
+        return cls(tokens, ignored, np.load(folder / "offsets.npy", mmap_mode="r"))
+
+
+class TokenWriter:
+    """Append documents' token ids to ``folder/tokens.bin`` (to memory when there is no folder), a few million
+    tokens at a time, noting the ranges of tokens that are no target."""
+
+    def __init__(self, folder: Path | None, dtype: np.dtype) -> None:
+        self.folder, self.dtype = folder, dtype
+        self.lengths: list[int] = []
+        self.pending: list[np.ndarray] = []
+        self.pending_tokens = self.written = 0
+        self.ignored: list[np.ndarray] = []
+        self.chunks: list[np.ndarray] = []
+        self.file = (folder / "tokens.bin").open("wb") if folder is not None else None
+
+    def add(self, ids: np.ndarray, targets: np.ndarray | None) -> None:
+        """Append one document; ``targets``: which of its tokens are targets (None: all)."""
+        if targets is not None and not targets.all():
+            self.ignored.append(ignored_ranges(targets, self.written + self.pending_tokens))
+        self.pending.append(ids)
+        self.lengths.append(ids.size)
+        self.pending_tokens += ids.size
+        if self.pending_tokens >= FLUSH_TOKENS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        tokens = np.concatenate(self.pending).astype(self.dtype, copy=False)
+        if self.file is None:
+            self.chunks.append(tokens)
+        else:
+            tokens.tofile(self.file)
+        self.written += self.pending_tokens
+        self.pending, self.pending_tokens = [], 0
+
+    def finish(self) -> TokenStore:
+        """Write what is pending and return the store (memory-mapped from the folder, if any)."""
+        self._flush()
+        offsets = cumulative(np.asarray(self.lengths, dtype=np.int64))
+        ignored = np.concatenate(self.ignored, axis=1) if self.ignored else None
+        if self.file is None:
+            return TokenStore(np.concatenate(self.chunks or [np.zeros(0, self.dtype)]), ignored, offsets)
+        self.file.close()
+        np.save(self.folder / "offsets.npy", offsets)
+        if ignored is not None:
+            np.save(self.folder / "ignored.npy", ignored)
+        meta = {"dtype": self.dtype.str, "tokens": self.written, "ignored": ignored is not None,
+                "documents": len(self.lengths)}  # fmt: skip
+        (self.folder / "meta.json").write_text(json.dumps(meta))
+        return TokenStore.open(self.folder)
+
+
+@contextmanager
+def _progress(show: bool, total: int, desc: str, unit: str) -> Iterator[Callable[[int], None]]:
+    """A tqdm bar on stderr when ``show``, else nothing; yields its ``update``."""
+    if not show:
+        yield lambda n: None
+        return
+    with tqdm(total=total, desc=f"lightning-cp: {desc}", unit=unit, unit_scale=True, file=sys.stderr) as bar:
+        yield bar.update
+
+
+def tokenize_sources(
+    sources: Sequence[str], tokenizer: Tokenizer, folder: Path | None, show: bool = False, total_bytes: int = 0
+) -> TokenStore:
+    """Read and tokenise every example of ``sources`` into a store (in ``folder``, or in memory)."""
+    writer = TokenWriter(folder, token_dtype(tokenizer))
+    with _progress(show, total_bytes, "reading and tokenising", "B") as advance:
+        for index, example in enumerate(iter_documents(sources, advance)):
+            writer.add(*example_arrays(tokenizer, example, f"example {index}", writer.dtype))
+    return writer.finish()
+
+
+def split_arrays(
+    store: TokenStore, docs: np.ndarray, budget: int, packed: bool, show: bool = False
+) -> dict[str, np.ndarray]:
+    """The samples of documents ``docs`` of ``store`` as arrays: segments ``src`` (where each starts in the store)
+    and ``cum`` (their cumulative lengths), and for packs ``bounds`` (each pack's first segment)."""
+    starts = np.asarray(store.offsets[:-1])[docs]
+    lengths = np.diff(np.asarray(store.offsets))[docs]
+    if not packed:
+        return {"src": starts, "cum": cumulative(lengths)}
+    pieces = int((-(-lengths // budget)).sum())
+    with _progress(show and pieces > 0, pieces, "packing", " pieces") as advance:
+        plan = plan_packs(lengths, budget, advance)
+    return {"src": starts[plan.doc] + plan.start, "cum": cumulative(plan.length), "bounds": plan.offsets}
+
+
+def _build_folder(final: Path, build: Callable[[Path], object]) -> Path:
+    """Return the folder ``final``, building it first if it does not exist: in a temporary folder renamed into place,
+    so no reader sees half of it and of builders racing for it (ranks of several nodes) the first one wins."""
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    work.chmod(0o755)
+    try:
+        build(work)
+        try:
+            work.rename(final)
+        except OSError:
+            if not final.is_dir():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return final
 
 
 class PackedTextDataModule(pl.LightningDataModule):
@@ -33,6 +215,10 @@ class PackedTextDataModule(pl.LightningDataModule):
 
     ``tokenizer``: the byte tokeniser by default, or an ``HFTokenizer``; examples are text, ``{"text"}``,
     ``{"prompt", "completion"}`` (targets: the completion) or ``{"messages"}`` (targets: the assistant turns).
+
+    ``cache_dir``: where prepared data is kept (default ``default_cache_dir()``), one folder per set of sources and
+    tokenizer and one per split and packing; runs with the same ones reuse it. A tokenizer without a ``fingerprint``
+    (or an unwritable cache) is prepared in memory, in each process.
 
     Every context-parallel rank of a data-parallel replica gets the same batch; batches are split over the
     data-parallel ranks only (``trainer.strategy.distributed_sampler_kwargs``), so run the Trainer with
@@ -52,6 +238,7 @@ class PackedTextDataModule(pl.LightningDataModule):
         seed: int = 0,
         num_workers: int = 0,
         tokenizer: Tokenizer | None = None,
+        cache_dir: str | Path | None = None,
     ) -> None:
         super().__init__()
         self.sources = list(sources)
@@ -65,35 +252,161 @@ class PackedTextDataModule(pl.LightningDataModule):
         self.seed = seed
         self.num_workers = num_workers
         self.tokenizer = tokenizer or ByteTokenizer()
-        self.train_samples: list = []
-        self.val_samples: list = []
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else None
+        self.train_samples: Dataset | None = None
+        self.val_samples: Dataset | None = None
+        self._plan: dict[str, Any] | None = None
+
+    def _cache_plan(self) -> dict[str, Any]:
+        """The cache folder (None: prepare in memory), the folder names, the sources' size; worked out once."""
+        if self._plan is None:
+            described, size = describe_sources(self.sources)
+            val_described, val_size = describe_sources(self.val_sources) if self.val_sources else (None, 0)
+            fingerprint = getattr(self.tokenizer, "fingerprint", None)
+            tokens = {"train": f"tokens-{_key(CACHE_FORMAT, described, fingerprint)}"}
+            if val_described is not None:
+                tokens["val"] = f"tokens-{_key(CACHE_FORMAT, val_described, fingerprint)}"
+            packing = (self.val_fraction, self.split_seed, self.tokens_per_sample, self.packed)
+            self._plan = {
+                "root": self._writable_cache() if isinstance(fingerprint, str) else None,
+                "tokens": tokens,
+                "samples": f"samples-{_key(CACHE_FORMAT, tokens, *packing)}",
+                "bytes": {"train": size, "val": val_size},
+            }
+        return self._plan
+
+    def _writable_cache(self) -> Path | None:
+        """The cache folder, created; None (with a warning) when it cannot be written."""
+        root = self.cache_dir or default_cache_dir()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if os.access(root, os.W_OK):
+                return root
+        except OSError:
+            pass
+        logger.warning("data cache %s cannot be written: preparing the data in memory, in each process", root)
+        return None
+
+    def prepare_data(self) -> None:
+        """Read, tokenise, split and pack into the cache, unless it already holds the result (Lightning calls this
+        on local rank 0 of each node while the other ranks wait; they load the result in ``setup``)."""
+        if self._cache_plan()["root"] is not None:
+            self._prepare()
 
     def setup(self, stage: str | None = None) -> None:
-        """Load, split, tokenise and pack the documents once."""
-        if self.train_samples:
-            return
-        documents = load_documents(self.sources)
-        if self.val_sources is None:
-            train_docs, val_docs = split_documents(documents, self.val_fraction, self.split_seed)
-        else:
-            train_docs, val_docs = documents, load_documents(self.val_sources)
-        self.train_samples = self._samples(train_docs)
-        self.val_samples = self._samples(val_docs)
+        """Load the prepared samples (preparing them first if ``prepare_data`` did not) and check that they fill a
+        batch on each data-parallel replica."""
+        self.load()
+        trainer = self.trainer
+        validating = trainer is None or getattr(trainer, "limit_val_batches", 1.0) != 0
+        problem = self.size_problem(
+            self._replicas()[0], train=stage in (None, "fit"), val=validating and stage in (None, "fit", "validate")
+        )
+        if problem:
+            raise ValueError(problem)
 
-    def _samples(self, documents: Sequence[str]) -> list:
-        """Tokenise and pack (or cut into dense rows) a list of documents."""
-        examples = [tokenize_example(self.tokenizer, doc, f"example {index}") for index, doc in enumerate(documents)]
-        ids, labels = [pair[0] for pair in examples], [pair[1] for pair in examples]
+    def load(self) -> None:
+        """Load the prepared samples into ``train_samples`` and ``val_samples`` (preparing them if needed), once."""
+        if self.train_samples is None:
+            self.train_samples, self.val_samples = self._prepare()
+
+    def _prepare(self) -> tuple[Dataset, Dataset]:
+        """Return the train and val samples, from the cache (building what it lacks) or made in memory."""
+        plan = self._cache_plan()
+        root: Path | None = plan["root"]
+        show = sum(plan["bytes"].values()) >= PROGRESS_MIN_BYTES and rank_zero_only.rank == 0
+        started = time.monotonic()
+        built = []
+
+        def tokens(split: str) -> TokenStore:
+            sources = self.sources if split == "train" else self.val_sources
+            if root is None:
+                return tokenize_sources(sources, self.tokenizer, None, show, plan["bytes"][split])
+            folder = root / plan["tokens"][split]
+            if not folder.is_dir():
+                built.append(folder)
+                size = plan["bytes"][split]
+                _build_folder(folder, lambda work: tokenize_sources(sources, self.tokenizer, work, show, size))
+            return TokenStore.open(folder)
+
+        stores = {split: tokens(split) for split in plan["tokens"]}
+        store_of = {"train": "train", "val": "val" if "val" in stores else "train"}
+        if root is None:
+            arrays = self._split(stores, show)
+        else:
+            folder = root / plan["samples"]
+            if not folder.is_dir():
+                built.append(folder)
+                _build_folder(folder, lambda work: self._save(self._split(stores, show), work))
+            arrays = {s: {p.name.split(".")[1]: np.load(p) for p in folder.glob(f"{s}.*.npy")} for s in SPLITS}
+        if show and built:
+            elapsed = time.monotonic() - started
+            tqdm.write(f"lightning-cp: data prepared in {elapsed:.1f} s, cached in {root}", file=sys.stderr)
+        samples = [self._samples(stores[store_of[split]], arrays[split]) for split in SPLITS]
+        return samples[0], samples[1]
+
+    def _split(self, stores: dict[str, TokenStore], show: bool) -> dict[str, dict[str, np.ndarray]]:
+        """Hold out the validation documents (unless there are val sources) and pack (or cut) each split."""
+        if "val" in stores:
+            docs = {split: np.arange(store.num_documents) for split, store in stores.items()}
+            held = {"train": stores["train"], "val": stores["val"]}
+        else:
+            train, val = split_documents(range(stores["train"].num_documents), self.val_fraction, self.split_seed)
+            docs = {"train": np.asarray(train, dtype=np.int64), "val": np.asarray(val, dtype=np.int64)}
+            held = {"train": stores["train"], "val": stores["train"]}
+        return {s: split_arrays(held[s], docs[s], self.tokens_per_sample, self.packed, show) for s in SPLITS}
+
+    @staticmethod
+    def _save(arrays: dict[str, dict[str, np.ndarray]], folder: Path) -> None:
+        for split, named in arrays.items():
+            for name, values in named.items():
+                np.save(folder / f"{split}.{name}.npy", values)
+
+    def _samples(self, store: TokenStore, arrays: dict[str, np.ndarray]) -> Dataset:
         if self.packed:
-            return pack_documents(ids, self.tokens_per_sample, labels)
-        return dense_rows(ids, self.tokens_per_sample, labels)
+            return PackedSamples(store.tokens, arrays["src"], arrays["cum"], arrays["bounds"], ignored=store.ignored)
+        return DenseRows(store.tokens, arrays["src"], arrays["cum"], self.tokens_per_sample, store.ignored)
+
+    def size_problem(self, num_replicas: int = 1, train: bool = True, val: bool = True) -> str | None:
+        """Describe, in one line naming the numbers and what to change, a split too small for one batch of
+        ``samples_per_batch`` samples on each of ``num_replicas`` data-parallel replicas (None: both fill one)."""
+        need = self.samples_per_batch * num_replicas
+        asked = f"data.samples_per_batch={self.samples_per_batch}"
+        if num_replicas > 1:
+            asked += f" on {num_replicas} data-parallel replicas"
+        budget = f"data.tokens_per_sample={self.tokens_per_sample}"
+        for name, samples, check in (("training", self.train_samples, train), ("validation", self.val_samples, val)):
+            count = len(samples) if samples is not None else 0
+            if not check or samples is None or count >= need:
+                continue
+            if samples.segments.num_tokens == 0:
+                if name == "validation":
+                    continue  # no validation documents: no validation (the main job sets limit_val_batches=0)
+                return (
+                    f"the training split holds no tokens (data.val_fraction={self.val_fraction} holds out at least "
+                    "one document): add documents, or set data.val_fraction=0 or data.val_sources"
+                )
+            fixes = [f"set data.samples_per_batch to at most {count // num_replicas}"] if count >= num_replicas else []
+            if self.packed:
+                made = f"the {name} documents pack into {count} sample(s) of {budget} tokens"
+                fixes.append("lower data.tokens_per_sample")
+            else:
+                tokens = samples.segments.num_tokens
+                made = f"the {tokens} {name} tokens make {count} dense row(s) of {budget} tokens (data.packed=false)"
+                if tokens >= need:
+                    fixes.append(f"set data.tokens_per_sample to at most {tokens // need}")
+            fixes.append("add documents" if name == "training" else "raise data.val_fraction (or add data.val_sources)")
+            advice = ", ".join(fixes[:-1]) + (", or " if len(fixes) > 1 else "") + fixes[-1]
+            samples_needed = f"{need} {name} sample" + ("s" if need > 1 else "")
+            return f"{asked} needs {samples_needed} for one batch, but {made}: {advice}"
+        return None
 
     def _replicas(self) -> tuple[int, int]:
         """Return ``(num_replicas, rank)`` of the data-parallel split."""
         kwargs = self.trainer.strategy.distributed_sampler_kwargs if self.trainer is not None else None
         return (kwargs["num_replicas"], kwargs["rank"]) if kwargs else (1, 0)
 
-    def _loader(self, samples: list, sampler: ResumableSampler) -> DataLoader:
+    def _loader(self, samples: Dataset, sampler: ResumableSampler) -> DataLoader:
         """Wrap samples in a DataLoader whose batches follow the batch contract."""
         return DataLoader(
             samples,

@@ -6,16 +6,32 @@ where a token is no target: the prompt of a prompt/completion pair, every turn b
 
 from __future__ import annotations
 
+import hashlib
+import re
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
 from typing import Any, Protocol
 
 IGNORE_INDEX = -100
 Example = str | Mapping[str, Any]
+SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def replace_surrogates(text: str) -> tuple[str, int]:
+    """Return ``text`` with every lone surrogate (a JSON ``\\ud800`` escape, say: not encodable as UTF-8)
+    replaced by U+FFFD, and how many there were."""
+    return SURROGATES.subn("\ufffd", text)
 
 
 class Tokenizer(Protocol):
-    """What packing needs of a tokeniser."""
+    """What packing needs of a tokeniser.
+
+    Optional: ``vocab_size`` (ids below 65536 are stored in 2 bytes) and ``fingerprint``, a string that changes
+    whenever the tokens would; without one the datamodule cannot share a cache and prepares data in each process.
+    """
 
     eos_id: int | None
 
@@ -32,10 +48,18 @@ class ByteTokenizer:
 
     eos_id = 256
     vocab_size = 257
+    fingerprint = "bytes:utf-8"
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Return the UTF-8 bytes of ``text``."""
-        return list(text.encode("utf-8", errors="replace"))
+        return list(self.encode_bytes(text))
+
+    def encode_bytes(self, text: str) -> bytes:
+        """Return the UTF-8 bytes of ``text``, lone surrogates encoded as U+FFFD."""
+        try:
+            return text.encode("utf-8")
+        except UnicodeEncodeError:
+            return replace_surrogates(text)[0].encode("utf-8")
 
     def decode(self, ids: list[int]) -> str:
         """Return the text of ``ids``, dropping special ids and invalid byte sequences."""
@@ -54,16 +78,38 @@ class HFTokenizer:
 
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.eos_id = self.tokenizer.eos_token_id
+        self.vocab_size = len(self.tokenizer)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A hash of the files ``save_pretrained`` writes: equal for tokenizers that tokenise alike."""
+        digest = hashlib.sha256(type(self.tokenizer).__qualname__.encode())
+        with tempfile.TemporaryDirectory() as folder:
+            self.tokenizer.save_pretrained(folder)
+            for file in sorted(Path(folder).rglob("*")):
+                if file.is_file():
+                    digest.update(file.name.encode() + b"\0" + file.read_bytes())
+        return f"hf:{digest.hexdigest()}"
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Return ``tokenizer(text)["input_ids"]``."""
-        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        """Return ``tokenizer(text)["input_ids"]`` (lone surrogates, which it refuses, as U+FFFD)."""
+        try:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        except Exception:
+            text, count = replace_surrogates(text)
+            if not count:
+                raise
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def render_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        """Return the chat template's token ids of ``messages``."""
+        """Return the chat template's token ids of ``messages`` (lone surrogates as U+FFFD)."""
         if not self.tokenizer.chat_template:
             raise ValueError('{"messages": ...} examples need a tokenizer with a chat template; this one has none')
-        rendered = self.tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=True)
+        messages = [
+            {key: replace_surrogates(value)[0] if isinstance(value, str) else value for key, value in m.items()}
+            for m in messages
+        ]
+        rendered = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)
         return list(rendered["input_ids"])
 
     def save_pretrained(self, path: str) -> None:
