@@ -5,7 +5,7 @@ Lightning, ``ContextParallelRuntime`` for any other training loop, ``PackedSeqPa
 """
 
 from lightning_cp.core.functional import cp_attention
-from lightning_cp.core.loss import CPLoss, cp_cross_entropy
+from lightning_cp.core.loss import CPLoss, cp_chunked_cross_entropy, cp_cross_entropy
 from lightning_cp.core.packed import PackedSeqParams
 from lightning_cp.core.runtime import ContextParallelRuntime, LayerPolicy
 from lightning_cp.core.step import ContextParallelSetting
@@ -21,5 +21,6 @@ __all__ = [
     "LayerPolicy",
     "PackedSeqParams",
     "cp_attention",
+    "cp_chunked_cross_entropy",
     "cp_cross_entropy",
 ]

@@ -85,6 +85,7 @@ class Fit:
     world_size: int
     batch_kind: str
     strategy: dict[str, Any] = field(default_factory=dict)
+    architecture: dict[str, Any] = field(default_factory=dict)
 
     @property
     def replicas(self) -> int:
@@ -105,6 +106,13 @@ FITS = [
     Fit("fsdp-cp2tp2-dense", 4, "dense", {**FSDP, "context_parallel_size": 2, "tensor_parallel_size": 2}),
     Fit("fsdp-cp2tp2-packed-sp", 4, "packed", {**FSDP, "context_parallel_size": 2, **SP}),
     Fit("fsdp-cp2tp2-dense-sp", 4, "dense", {**FSDP, "context_parallel_size": 2, **SP}),
+    Fit(
+        "fsdp-cp2tp2-packed-sp-chunked-loss",
+        4,
+        "packed",
+        {**FSDP, "context_parallel_size": 2, **SP},
+        {"loss_chunk_tokens": 7},
+    ),
     Fit("fsdp-cp2tp3-packed-sp", 6, "packed", {**FSDP, **SP, "context_parallel_size": 2, "tensor_parallel_size": 3}),
     Fit("fsdp-cp2tp3-dense-sp", 6, "dense", {**FSDP, **SP, "context_parallel_size": 2, "tensor_parallel_size": 3}),
 ]
@@ -116,7 +124,7 @@ def fit_on_rank(world_size: int, fits: list[Fit]) -> list[dict[str, Any]]:
     results = []
     for run in fits:
         os.environ["WORLD_SIZE"] = str(world_size)  # Lightning's teardown removes it
-        model = RecordingLM()
+        model = RecordingLM(**run.architecture)
         trainer = pl.Trainer(devices=world_size, strategy=CPZigzagStrategy(**run.strategy), **FIT_OPTIONS)
         trainer.fit(model, DataLoader(batches(run.batch_kind), batch_size=None))
         optimizer_state = trainer.optimizers[0].state.values()

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_cp import cp_cross_entropy
+from lightning_cp import cp_chunked_cross_entropy, cp_cross_entropy
 from lightning_cp.core.mesh import ParallelDims, build_context_parallel_mesh
 from lightning_cp.core.step import ContextParallelSetting, ContextParallelStep, activated
 from tests.distributed_harness import run_on_ranks
@@ -71,3 +71,28 @@ def test_cp_average_of_shard_gradients_is_the_single_device_gradient() -> None:
         assert abs(sum(loss for _, loss, _ in results) / cp_size - expected_loss.item()) <= 1e-12
         averaged = sum(torch.from_numpy(gradient) for _, _, gradient in results) / cp_size
         assert torch.allclose(averaged, weight.grad, rtol=1e-12, atol=1e-15)
+
+
+def test_chunked_loss_equals_the_whole_logits_loss_and_never_makes_them_all() -> None:
+    """``cp_chunked_cross_entropy`` gives the same loss and gradients (float64, relative 1e-12) while the head only
+    ever sees chunks, in the forward and in the recomputing backward."""
+    features, weight, labels = problem()
+    count = int((labels != -100).sum())
+    whole_features = features.clone().requires_grad_(True)
+    whole_weight = weight.clone().requires_grad_(True)
+    expected = cp_cross_entropy(whole_features @ whole_weight, labels, count)
+    expected.loss.backward()
+    seen: list[int] = []
+    chunk_weight = weight.clone().requires_grad_(True)
+    chunk_features = features.clone().requires_grad_(True)
+
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        seen.append(hidden.shape[1])
+        return hidden @ chunk_weight
+
+    result = cp_chunked_cross_entropy(chunk_features, head, labels, count, chunk_tokens=5)
+    result.loss.backward()
+    assert torch.allclose(result.loss, expected.loss, rtol=1e-12, atol=0)
+    assert torch.allclose(chunk_features.grad, whole_features.grad, rtol=1e-12, atol=1e-15)
+    assert torch.allclose(chunk_weight.grad, whole_weight.grad, rtol=1e-12, atol=1e-15)
+    assert seen[:3] == [5, 5, 2] and sorted(seen[3:]) == [2, 5, 5], seen  # forward, then the recomputation

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from lightning_cp.core import comm
 from lightning_cp.core.sharding import IGNORE_INDEX
@@ -26,9 +28,47 @@ def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, loss_token_coun
     ``loss`` is multiplied by the CP size because DDP averages gradients over DP x CP: the CP average then becomes the
     gradient of the sum over the replica's tokens divided by ``loss_token_count``. ``mean`` is that replica mean.
     """
-    token_loss_sum = F.cross_entropy(
+    return _normalised(_token_loss_sum(logits, labels), loss_token_count)
+
+
+def cp_chunked_cross_entropy(
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    labels: torch.Tensor,
+    loss_token_count: int,
+    chunk_tokens: int,
+) -> CPLoss:
+    """``cp_cross_entropy(head(hidden), labels, loss_token_count)`` without the full-vocabulary logits at once.
+
+    ``hidden`` ``[B, S, H]`` is cut along the sequence into chunks of about ``chunk_tokens`` tokens; each chunk's
+    logits exist only while its loss is summed and are recomputed in the backward (``torch.utils.checkpoint``), so
+    the loss needs ``chunk_tokens x vocab`` logits instead of ``B x S x vocab``. ``head`` maps ``[B, s, H]`` to
+    ``[B, s, V]`` (the output projection, tensor-parallel styles included).
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
+    length = max(1, chunk_tokens // max(1, hidden.shape[0]))
+    sums = [
+        checkpoint(_head_loss_sum, head, part, part_labels, use_reentrant=False)
+        for part, part_labels in zip(hidden.split(length, dim=1), labels.split(length, dim=1), strict=True)
+    ]
+    return _normalised(torch.stack(sums).sum(), loss_token_count)
+
+
+def _head_loss_sum(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor) -> Any:
+    """Return the summed token loss of one chunk's logits."""
+    return _token_loss_sum(head(hidden), labels)
+
+
+def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum the cross-entropy of the valid targets (``-100`` ignored)."""
+    return F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+
+
+def _normalised(token_loss_sum: torch.Tensor, loss_token_count: int) -> CPLoss:
+    """Scale this rank's loss sum for the gradient average over DP x CP; the mean is the replica's."""
     token_count = max(int(loss_token_count), 1)
     step = active_step()
     if step is None or step.loss_group is None:

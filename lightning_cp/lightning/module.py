@@ -35,12 +35,18 @@ class CausalLMModule(pl.LightningModule):
         """Return the logits ``[B, S_local, vocab]`` of this rank's tokens."""
         raise NotImplementedError
 
+    def token_loss(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor, loss_token_count: int
+    ) -> CPLoss:
+        """Return the CP-aware loss of this rank's tokens (a subclass may avoid materialising all logits)."""
+        return cp_cross_entropy(self.logits(input_ids, position_ids), labels, loss_token_count)
+
     def _loss(self, batch: dict[str, Any]) -> tuple[CPLoss, int]:
         """Return the CP-aware loss of a sharded batch (or of a raw batch on one device) and its target count."""
         if "position_ids" not in batch or "loss_token_count" not in batch:
             return self._single_device_loss(batch)
-        logits = self.logits(batch["input_ids"], batch["position_ids"])
-        return cp_cross_entropy(logits, batch["labels"], batch["loss_token_count"]), int(batch["loss_token_count"])
+        count = int(batch["loss_token_count"])
+        return self.token_loss(batch["input_ids"], batch["position_ids"], batch["labels"], count), count
 
     def _single_device_loss(self, batch: dict[str, Any]) -> tuple[CPLoss, int]:
         """Prepare a raw replica batch as the layout callback would, at cp=1, and return its loss and target count."""
@@ -50,9 +56,8 @@ class CausalLMModule(pl.LightningModule):
         runtime.wrap(self)
         batch = dict(batch)
         with runtime.step(batch):
-            logits = self.logits(batch["input_ids"], batch["position_ids"])
             count = int(batch["loss_token_count"])
-            return cp_cross_entropy(logits, batch["labels"], count), count
+            return self.token_loss(batch["input_ids"], batch["position_ids"], batch["labels"], count), count
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:

@@ -60,6 +60,8 @@ class ModelConfig(LlamaConfig):
 
 
 NOT_ARCHITECTURE = ("pretrained", "activation_checkpointing")
+RUN_TIME_MODEL_KEYS = ("activation_checkpointing", "loss_chunk_tokens")
+"""``model`` keys that say how the model runs, not what it is: a checkpoint fits whatever their values."""
 
 
 @dataclass
@@ -222,6 +224,8 @@ def _check_model(model: DictConfig) -> None:
         )
     if model.vocab_size < 257:
         raise ConfigError(f"model.vocab_size: got {model.vocab_size}; the byte tokenizer needs at least 257")
+    if model.loss_chunk_tokens < 0:
+        raise ConfigError(f"model.loss_chunk_tokens: got {model.loss_chunk_tokens}; expected 0 (whole logits) or more")
 
 
 def _schema_node(full_key: str) -> tuple[type | None, str]:

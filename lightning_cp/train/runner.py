@@ -24,7 +24,7 @@ from lightning_cp.lightning.callback import ContextParallelLayoutCallback
 from lightning_cp.lightning.module import CausalLMModule
 from lightning_cp.lightning.strategy import CPZigzagStrategy
 from lightning_cp.train import runfolder
-from lightning_cp.train.config import ConfigError, plain
+from lightning_cp.train.config import RUN_TIME_MODEL_KEYS, ConfigError, plain
 from lightning_cp.train.data import ByteTokenizer, HFTokenizer, PackedTextDataModule
 from lightning_cp.train.data.sources import EMBEDDED
 from lightning_cp.train.data.tokenizer import Tokenizer
@@ -225,7 +225,7 @@ def check_checkpoint_fits(cfg: DictConfig, path: str, key: str) -> dict[str, Any
     differing = [
         f"model.{name} is {saved[name]!r} in the checkpoint but {value!r} in the config"
         for name, value in plain(cfg.model).items()
-        if name in saved and saved[name] != value and name != "activation_checkpointing"
+        if name in saved and saved[name] != value and name not in RUN_TIME_MODEL_KEYS
     ]
     if differing:
         raise ConfigError(f"{key}={path} does not fit the model: " + "; ".join(differing))

@@ -26,6 +26,7 @@ class LlamaConfig:
     tie_embeddings: bool = True
     init_std: float = 0.02
     activation_checkpointing: bool = False
+    loss_chunk_tokens: int = 0
 
 
 class LlamaDecoder(nn.Module):
@@ -62,10 +63,14 @@ class LlamaDecoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Return logits ``[B, S_local, vocab]`` for this rank's tokens ``[B, S_local]``."""
+        return self.lm_head(self.hidden_states(input_ids, position_ids))
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Return the final-norm hidden states ``[B, S_local, hidden]`` (what ``lm_head`` turns into logits)."""
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 h = checkpoint(layer, h, use_reentrant=False, position_ids=position_ids)
             else:
                 h = layer(h, position_ids=position_ids)
-        return self.lm_head(self.norm(h))
+        return self.norm(h)

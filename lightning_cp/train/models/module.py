@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from lightning_cp.core.loss import CPLoss, cp_chunked_cross_entropy
 from lightning_cp.lightning.module import CausalLMModule
 from lightning_cp.train.models.llama import LlamaConfig, LlamaDecoder
 from lightning_cp.train.models.parallelize import apply_tensor_parallel
@@ -49,6 +50,16 @@ class LlamaLM(CausalLMModule):
             return
         sequence_parallel = bool(getattr(self.trainer.strategy, "sequence_parallel", False))
         apply_tensor_parallel(self.model, self.config, tp_mesh, sequence_parallel)
+
+    def token_loss(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor, loss_token_count: int
+    ) -> CPLoss:
+        """Return the loss of this rank's tokens; with ``loss_chunk_tokens`` the logits are made chunk by chunk."""
+        chunk = self.config.loss_chunk_tokens
+        if not chunk:
+            return super().token_loss(input_ids, position_ids, labels, loss_token_count)
+        hidden = self.model.hidden_states(input_ids, position_ids)
+        return cp_chunked_cross_entropy(hidden, self.model.lm_head, labels, loss_token_count, chunk)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Return the logits of this rank's tokens."""

@@ -47,7 +47,7 @@ def tensor_parallel_plan(num_layers: int, sequence_parallel: bool) -> dict[str, 
     plan: dict[str, ParallelStyle] = {}
     if sequence_parallel:
         plan["embed_tokens"] = SequenceParallel(use_local_output=True)
-        plan["norm"] = SequenceParallel()
+        plan["norm"] = SequenceParallel(use_local_output=True)  # plain hidden states for a chunked loss
         plan["lm_head"] = SequenceParallel(use_local_output=True)
     for index in range(num_layers):
         layer = f"layers.{index}"
