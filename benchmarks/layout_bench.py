@@ -46,6 +46,7 @@ from lightning_cp.layout import (
 )
 
 CANDIDATES = ("ours", "floor", "floor-prealloc", "naive")
+_REFERENCE: dict[str, Any] = {}  # the reference layout module, loaded before the ranks fork
 RESULTS = Path(__file__).resolve().parent / "results" / "layout_bench.md"
 
 
@@ -237,9 +238,32 @@ def _packed_case(cp: int, rank: int, tokens: int, hidden: int, settings: Setting
     candidates = {"ours": ours, **_floor_candidates(rows, forward, reverse), "naive": naive}
     with torch.no_grad():
         medians = _interleaved(candidates, settings.repetitions(tokens))
+        if "module" in _REFERENCE:
+            medians.update(_plan_and_first_conversion(cu_seqlens, tokens, rows, group, settings.repetitions(tokens)))
     plan_time = torch.tensor([plan_ms], dtype=torch.float64)
     dist.all_reduce(plan_time, op=dist.ReduceOp.MAX)
     return {**medians, "plan": float(plan_time)}
+
+
+def _plan_and_first_conversion(
+    cu_seqlens: torch.Tensor, tokens: int, rows: torch.Tensor, group: Any, repetitions: int
+) -> dict[str, float]:
+    """Plan building plus the first contiguous -> zigzag conversion with a real group, ours and the reference's, on a
+    fresh copy of the offsets each time (nothing cached from an earlier batch)."""
+    reference = _REFERENCE["module"]
+
+    def first(build: Callable[..., Any], convert: Callable[..., torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            plan = build(cu_seqlens.clone(), tokens, group)
+            return convert(rows, group, thd_plan=plan)
+
+        return run
+
+    ours = first(build_thd_cp_layout_plan, contiguous_to_zigzag)
+    theirs = first(reference.build_thd_cp_layout_plan, reference.contiguous_to_zigzag)
+    assert torch.equal(ours(), theirs()), "the reference converts differently"
+    timed = _interleaved({"first ours": ours, "first reference": theirs}, repetitions)
+    return {name: value for name, value in timed.items() if not name.endswith("median")}
 
 
 def _rank_main(rank: int, cp: int, port: int, settings: Settings, results: mp.Queue) -> None:
@@ -304,10 +328,20 @@ class _StandInGroup:
         return self._rank
 
 
+def _reference_all_to_all(
+    group: Any, input_: torch.Tensor, output_split_sizes_: list[int], input_split_sizes: list[int], **_: Any
+) -> torch.Tensor:
+    """Megatron's ``all_to_all`` without autograd: one ``all_to_all_single`` into a fresh buffer."""
+    output = input_.new_empty((sum(output_split_sizes_), *input_.shape[1:]))
+    dist.all_to_all_single(output, input_.contiguous(), output_split_sizes_, input_split_sizes, group=group)
+    return output
+
+
 def _load_reference_layout(path: Path | None) -> Any:
     """Load the reference layout module (Megatron-LM's ``megatron/core/context_parallel/layout.py``) from ``path``.
 
-    Its two Megatron imports are stubbed: plan building uses neither. Get the file with
+    Its two Megatron imports are stubbed: ``all_to_all`` by one ``all_to_all_single`` (what Megatron's wrapper runs),
+    ``PackedSeqParams`` by an empty class. Get the file with
     ``git show 3aa19548c6:megatron/core/context_parallel/layout.py`` in a Megatron-LM clone.
     """
     if path is None:
@@ -322,7 +356,7 @@ def _load_reference_layout(path: Path | None) -> Any:
             "megatron.core.packed_seq_params",
         )
     }
-    stubs["megatron.core.tensor_parallel.mappings"].all_to_all = None
+    stubs["megatron.core.tensor_parallel.mappings"].all_to_all = _reference_all_to_all
     stubs["megatron.core.packed_seq_params"].PackedSeqParams = type("PackedSeqParams", (), {})
     for name, module in stubs.items():
         sys.modules.setdefault(name, module)
@@ -354,6 +388,29 @@ def _plan_building_rows(settings: Settings, reference: Any) -> list[tuple[int, i
                 medians = {name: 1e3 * statistics.median(values) for name, values in times.items()}
                 rows.append((tokens, sequences, cp, medians["ours"], medians.get("reference")))
     return rows
+
+
+def _first_conversion_lines(conversions: list[tuple], settings: Settings) -> list[str]:
+    """The plan + first conversion table (real gloo group), when the reference was given."""
+    rows = [row for row in conversions if row[0] == "packed" and "first ours" in row[4]]
+    if not rows:
+        return []
+    lines = [
+        "Plan + first conversion with the real gloo group (packed, a fresh copy of the offsets each time, so nothing "
+        "is cached; slowest rank, best of the repetitions, ms), ours against the reference's plan builder and "
+        "conversion (`--reference-layout`; its `all_to_all` is one `all_to_all_single`):",
+        "",
+        "| cp | tokens | hidden | ours | reference | ours / reference |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    worst = 0.0
+    for _, cp, tokens, hidden, ms in rows:
+        ratio = ms["first ours"] / ms["first reference"]
+        worst = max(worst, ratio)
+        lines.append(
+            f"| {cp} | {tokens} | {hidden} | {ms['first ours']:.1f} | {ms['first reference']:.1f} | {ratio:.2f} |"
+        )
+    return [*lines, "", f"Worst plan + first conversion, ours / reference: {worst:.2f} (target <= 1.0).", ""]
 
 
 def _table(conversions: list[tuple], plans: list[tuple], settings: Settings, wall: float) -> str:
@@ -397,6 +454,7 @@ def _table(conversions: list[tuple], plans: list[tuple], settings: Settings, wal
             if kind == "packed" and hidden == settings.hidden_sizes[-1]
         ),
         "",
+        *_first_conversion_lines(conversions, settings),
         "THD plan building: one rank's `build_thd_cp_layout_plan` with a stand-in group (no process group), single "
         "thread, median of 7 interleaved runs, ms; the reference is Megatron-LM's builder (`--reference-layout`):",
         "",
@@ -424,7 +482,10 @@ def main() -> None:
     arguments = parser.parse_args()
     settings = _settings(arguments.quick)
     start = time.perf_counter()
-    plans = _plan_building_rows(settings, _load_reference_layout(arguments.reference_layout))
+    reference = _load_reference_layout(arguments.reference_layout)
+    if reference is not None:
+        _REFERENCE["module"] = reference
+    plans = _plan_building_rows(settings, reference)
     conversions = _conversion_rows(settings)
     table = _table(conversions, plans, settings, time.perf_counter() - start)
     print(table)
