@@ -29,6 +29,7 @@ from lightning_cp.core.attention.kernels import (
     BlockKernel,
     BlockPlan,
     accumulation_dtype,
+    all_finite,
     backward_source,
     build_block_plan,
     flash_attn_varlen_func,
@@ -134,12 +135,20 @@ def zigzag_attention(
     the shards are zigzag over the ``r`` ring positions, each position's two chunks split evenly over its ``u``
     Ulysses ranks (the sequence-parallel zigzag layout with ``cp=r, tp=u``). ``check_consensus``: first compare the
     call's shapes, dtypes, options and offsets over ``cp_group`` (one tiny all-reduce), so inputs that differ between
-    ranks give the same ``ValueError`` everywhere instead of a crash, a hang or garbage.
+    ranks give the same ``ValueError`` everywhere instead of a crash, a hang or garbage; and reject NaN or infinite
+    values in ``q``/``k``/``v`` the same way (their effect would depend on the kernel and the sharding). Without it
+    no data is read: non-finite values give NaN rows, never wrong finite ones.
     """
+    non_finite: tuple[str, ...] = ()
     if check_consensus:
-        _require_agreement(q, k, v, cp_group, packed_seq_params, causal, softmax_scale, mode, backend)
+        non_finite = _require_agreement(q, k, v, cp_group, packed_seq_params, causal, softmax_scale, mode, backend)
     zigzag_ranks, exchange = _zigzag_ranks(cp_group, mode, ulysses_group, ring_group)
     geometry = _validate(q, k, v, zigzag_ranks, exchange, packed_seq_params, mode, backend, softmax_scale)
+    if non_finite:
+        raise ValueError(
+            f"{' and '.join(non_finite)} {'holds' if len(non_finite) == 1 else 'hold'} NaN or infinite values: "
+            "zigzag_attention rejects non-finite inputs (on every rank of the group)"
+        )
     return attend_on_shards(
         q, k, v, cp_group, geometry, packed=packed_seq_params is not None, causal=causal, softmax_scale=softmax_scale,
         mode=mode, backend=backend, ulysses_group=ulysses_group, ring_group=ring_group,
@@ -156,16 +165,33 @@ def _require_agreement(
     softmax_scale: float | None,
     mode: str,
     backend: str,
-) -> None:
+) -> tuple[str, ...]:
     """Raise the same ``ValueError`` on every rank when the ranks' calls differ (before any check that could raise
-    on one rank only)."""
+    on one rank only); return the names of the inputs with NaN or infinite values, the same on every rank."""
+    non_finite = non_finite_inputs(q, k, v)
     fields: dict[str, Any] = {"q": tensor_description(q), "k": tensor_description(k), "v": tensor_description(v)}
+    fields[NON_FINITE_FIELD] = non_finite
     fields.update(mode=mode, backend=backend, causal=causal, softmax_scale=softmax_scale, packed=params is not None)
     if params is not None:
         for name in ("cu_seqlens_q", "cu_seqlens_q_padded"):
             value = getattr(params, name)
             fields[name] = host_copies(value)[0] if isinstance(value, Tensor) else repr(value)
     require_agreement("zigzag_attention", fields, cp_group)
+    return non_finite
+
+
+NON_FINITE_FIELD = "NaN or infinite values in q, k, v (rejected)"
+
+
+def non_finite_inputs(q: Any, k: Any, v: Any) -> tuple[str, ...]:
+    """The names of the floating-point tensors among ``q``, ``k``, ``v`` holding NaN or infinite values (one host
+    read for all three)."""
+    named = [(name, x) for name, x in (("q", q), ("k", k), ("v", v)) if isinstance(x, Tensor) and x.is_floating_point()]
+    if not named:
+        return ()
+    flags = [all_finite(x) for _, x in named]
+    finite = torch.stack([flag.to(flags[0].device) for flag in flags]).tolist()
+    return tuple(name for (name, _), ok in zip(named, finite, strict=True) if not ok)
 
 
 def _zigzag_ranks(

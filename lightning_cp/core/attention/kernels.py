@@ -9,6 +9,7 @@ boolean ``mask`` ``[Sq, Sk]`` (``True``: the query sees the key; ``None``: it se
 block where query ``i`` sees keys ``<= i``; then ``mask`` is ``None``). ``forward`` returns the
 block output and its log-sum-exp ``[B, Hq, Sq]``, ``-inf`` (and a zero output) for rows that see no key.
 ``backward`` takes the *merged* output and log-sum-exp of all blocks and returns this block's share of the gradients.
+NaN or infinite inputs give NaN rows, never wrong finite values (``zigzag_attention`` rejects them before this).
 """
 
 from __future__ import annotations
@@ -46,6 +47,15 @@ def finite_lse(lse: Tensor) -> Tensor:
     return lse.masked_fill(torch.isneginf(lse), 0.0)
 
 
+def all_finite(x: Tensor) -> Tensor:
+    """A 0-dim bool on ``x``'s device: whether ``x`` holds no NaN or infinity (one min/max pass, which NaN reaches;
+    about 10x cheaper than ``isfinite(x).all()`` on CPU)."""
+    if x.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=x.device)
+    low, high = torch.aminmax(x)
+    return torch.isfinite(low) & torch.isfinite(high)
+
+
 def _grouped(x: Tensor, kv_heads: int) -> Tensor:
     """View ``[B, Hq, S, ...]`` as ``[B, Hkv, Hq/Hkv, S, ...]`` so GQA needs no copy of K/V."""
     return x.reshape(x.shape[0], kv_heads, x.shape[1] // kv_heads, *x.shape[2:])
@@ -63,12 +73,16 @@ def _math_scores(q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale:
 def math_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
-    """Plain softmax attention in torch ops: any device, any dtype, exact in float64."""
+    """Plain softmax attention in torch ops: any device, any dtype, exact in float64.
+
+    A row that sees keys but whose every score is ``-inf`` (from infinite inputs) is 0/0: NaN, not an empty row's zero.
+    """
     scores = _math_scores(q, k, mask, causal, scale)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - finite_lse(lse).unsqueeze(-1))
-    out = probs @ v.to(scores.dtype).unsqueeze(2)
-    return out.flatten(1, 2), lse.flatten(1, 2)
+    out, lse = (probs @ v.to(scores.dtype).unsqueeze(2)).flatten(1, 2), lse.flatten(1, 2)
+    undefined = torch.isneginf(lse) if mask is None else torch.isneginf(lse) & mask.any(-1)
+    return out.masked_fill(undefined.unsqueeze(-1), math.nan), lse.masked_fill(undefined, math.nan)
 
 
 def math_backward(
@@ -112,8 +126,13 @@ def _additive_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 def cpu_flash_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
-    """ATen's tiled CPU flash kernel, which returns the log-sum-exp; rows without keys are fixed to ``-inf``/zero."""
+    """ATen's tiled CPU flash kernel, which returns the log-sum-exp; rows without keys are fixed to ``-inf``/zero.
+
+    With an infinite score that kernel returns wrong finite values, so a block with any NaN or infinite input gives
+    NaN in every row instead (checked on the device: no host read).
+    """
     groups = q.shape[1] // k.shape[1]
+    finite = all_finite(q) & all_finite(k) & all_finite(v)
     k, v, additive = _repeat_kv(k, groups), _repeat_kv(v, groups), _additive_mask(mask, q.dtype)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, attn_mask=additive, scale=scale
@@ -122,7 +141,7 @@ def cpu_flash_forward(
         empty = ~mask.any(-1)
         lse = lse.masked_fill(empty, _NEG_INF)
         out = out.masked_fill(empty.unsqueeze(-1), 0.0)
-    return out, lse
+    return out.masked_fill_(~finite, math.nan), lse.masked_fill_(~finite, math.nan)  # the kernel's own tensors
 
 
 def cpu_flash_backward(

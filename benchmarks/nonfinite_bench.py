@@ -1,0 +1,78 @@
+"""Cost of the non-finite input handling of CP attention, side by side with what it guards, in one run.
+
+- ``zigzag_attention``'s rejection check (``non_finite_inputs``: one pass over q, k, v and one host read) against the
+  whole checked call (cp=1, forward);
+- the device-side guard of the ``cpu_flash`` block kernel (three ``all_finite`` and two ``masked_fill``)
+  against the kernel call it guards, for a whole-document causal block and a masked block of the same size.
+
+Run from the repository root: ``python benchmarks/nonfinite_bench.py``. One CPU thread; the table is printed and
+saved to ``benchmarks/results/nonfinite_bench.md``.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from lightning_cp.core.attention import api, kernels
+from lightning_cp.core.packed import PackedSeqParams
+
+RESULTS = Path(__file__).resolve().parent / "results" / "nonfinite_bench.md"
+
+
+def median_ms(fn: Callable[[], object], repeats: int = 15) -> float:
+    """Median wall time of ``fn`` in milliseconds, after two warm-up calls."""
+    fn(), fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def guard(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> object:
+    """The ops ``cpu_flash_forward`` adds to a block: the same code, run alone."""
+    finite = kernels.all_finite(q) & kernels.all_finite(k) & kernels.all_finite(v)
+    return out.masked_fill_(~finite, math.nan), lse.masked_fill_(~finite, math.nan)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    rows = ["| what | guarded work (ms) | added check (ms) | ratio |", "| --- | ---: | ---: | ---: |"]
+    tokens, heads, kv_heads, dim = 4096, 8, 4, 64
+    q = torch.randn(tokens, heads, dim)
+    k, v = (torch.randn(tokens, kv_heads, dim) for _ in range(2))
+    cu = torch.tensor([0, 1000, 2500, 4096], dtype=torch.int32)
+    params = PackedSeqParams(cu_seqlens_q=cu, cu_seqlens_q_padded=cu)
+    call = median_ms(lambda: api.zigzag_attention(q, k, v, None, packed_seq_params=params, backend="cpu_flash"))
+    check = median_ms(lambda: api.non_finite_inputs(q, k, v))
+    rows.append(f"| zigzag_attention, packed {tokens} tokens, {heads}/{kv_heads} heads x {dim}: rejection check | "
+                f"{call:.2f} | {check:.3f} | {check / call:.4f} |")  # fmt: skip
+    block = 1024
+    qb = torch.randn(1, heads, block, dim)
+    kb, vb = (torch.randn(1, kv_heads, block, dim) for _ in range(2))
+    mask = torch.rand(block, block) < 0.5
+    scale = dim**-0.5
+    for name, block_mask, causal in (("causal block", None, True), ("masked block", mask, False)):
+        out, lse = kernels.cpu_flash_forward(qb, kb, vb, block_mask, causal, scale)
+        kernel = median_ms(lambda m=block_mask, c=causal: kernels.cpu_flash_forward(qb, kb, vb, m, c, scale))
+        added = median_ms(lambda o=out, s=lse: guard(qb, kb, vb, o, s))
+        rows.append(f"| cpu_flash {name} {block} x {block}, {heads}/{kv_heads} heads x {dim}: device guard | "
+                    f"{kernel:.2f} | {added:.3f} | {added / kernel:.4f} |")  # fmt: skip
+    table = "\n".join(rows)
+    header = f"torch {torch.__version__}, {platform.processor() or platform.machine()}, 1 thread, median of 15\n\n"
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text("# Non-finite input handling: cost\n\n" + header + table + "\n")
+    print(header + table)
+
+
+if __name__ == "__main__":
+    main()
