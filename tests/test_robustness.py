@@ -144,10 +144,11 @@ def test_a_failure_inside_the_run_is_one_line_on_every_rank(tmp_path: Path) -> N
     shutil.rmtree(tmp_path / "runs", ignore_errors=True)
 
 
-def test_tensor_parallelism_is_refused_up_front_by_the_main_job(tmp_path: Path, capsys) -> None:
+def test_tensor_parallelism_without_fsdp_is_refused_up_front_by_the_main_job(tmp_path: Path, capsys) -> None:
     overrides = ["trainer.devices=2", "strategy.context_parallel_size=1", "strategy.tensor_parallel_size=2"]
     assert main(["fit", *overrides, f"run.root={tmp_path}", "run.name=tp"]) == 2
-    assert "no tensor-parallel plan yet" in capsys.readouterr().err
+    assert "strategy.tensor_parallel_size: 2 needs strategy.data_parallel=fsdp" in capsys.readouterr().err
+    assert not (tmp_path / "tp").exists()
 
 
 def _resume_losses(checkpoints: str, precision: str) -> tuple[list[float], list[float]]:
