@@ -100,3 +100,11 @@ def test_bad_batches_are_rejected_with_what_is_wrong(batch: dict[str, torch.Tens
     """Contract violations raise ``ValueError`` naming the offending value."""
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         validate_replica_batch(batch)
+
+
+def test_the_shard_holds_only_its_own_tokens() -> None:
+    """The sharded tensors own storage of the shard's size: nothing keeps the replica-wide tensors alive."""
+    batch = {"input_ids": torch.arange(64).view(2, 32)}
+    sharded = shard_replica_batch(batch, cp_size=4, cp_rank=1)
+    for tensor in (sharded.input_ids, sharded.labels, sharded.position_ids):
+        assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()

@@ -158,10 +158,10 @@ def shard_replica_batch(
     shard_count, shard_index = contiguous_shard(cp_size, cp_rank, tp_size, tp_rank, sequence_parallel)
     shard_length = padded_sequence_length // shard_count
     shard = slice(shard_index * shard_length, (shard_index + 1) * shard_length)
-    return ShardedBatch(
-        input_ids=padded_input_ids[:, shard],
-        labels=padded_labels[:, shard],
-        position_ids=position_ids[:, shard],
+    return ShardedBatch(  # copies of the shard, so the replica-wide tensors are freed once the batch is sharded
+        input_ids=padded_input_ids[:, shard].clone(),
+        labels=padded_labels[:, shard].clone(),
+        position_ids=position_ids[:, shard].clone(),
         loss_token_count=int((shifted_labels != IGNORE_INDEX).sum()),
         real_token_count=batch_size * sequence_length,
         sequence_length=sequence_length,
