@@ -10,6 +10,9 @@ sequence that trains under the per-rank cap ``--cap-mib`` is the longest measure
 
     python benchmarks/train_bench.py            # 4k..64k, cp 1, 2, 4
     python benchmarks/train_bench.py --quick    # 1k..8k, a minute or two
+
+``benchmarks/memory_bench.py`` (ddp against fsdp: model state, peak memory, the largest model and the longest sequence
+under a memory cap) writes the second part of the same report, below ``MEMORY_MARK``; each script keeps the other's.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+MEMORY_MARK = "<!-- memory_bench.py writes from here on -->"
 MODEL = {
     "vocab_size": 257,
     "hidden_size": 64,
@@ -110,8 +114,6 @@ def measure(cp: int, seq: int, steps: int, attention_mode: str, timers: Timers) 
     from torch.utils.data import DataLoader
 
     from lightning_cp import CPZigzagStrategy
-    from lightning_cp.train.data import collate_packed
-    from lightning_cp.train.data.packing import Pack
     from lightning_cp.train.models import LlamaLM
 
     step_times: list[float] = []
@@ -129,9 +131,9 @@ def measure(cp: int, seq: int, steps: int, attention_mode: str, timers: Timers) 
             comm_marks.append({k: v - self.before.get(k, 0.0) for k, v in timers.seconds.items()})
 
     generator = torch.Generator().manual_seed(seq)
-    tokens = torch.randint(0, 256, (seq,), generator=generator)
-    pack = Pack(tokens, torch.tensor([0, seq], dtype=torch.int32))
-    loader = DataLoader([pack] * (1 + steps), batch_size=1, collate_fn=collate_packed)
+    tokens = torch.randint(0, 256, (1, seq), generator=generator)
+    batch = {"input_ids": tokens, "labels": tokens, "cu_seqlens": torch.tensor([0, seq], dtype=torch.int32)}
+    loader = DataLoader([batch] * (1 + steps), batch_size=None)
     pl.seed_everything(0, verbose=False)
     model = LlamaLM(**MODEL, warmup_steps=1)
     trainer = pl.Trainer(
@@ -281,6 +283,23 @@ def report(args: argparse.Namespace, results: dict[int, list[dict[str, Any]]], w
     return "\n".join(lines) + "\n"
 
 
+def save_results(out: Path, key: str, data: Any, text: str) -> None:
+    """Write ``text`` as one script's part of the report and ``data`` under ``key`` in the JSON beside it, keeping
+    the other script's part: the sequence sweep (``key="sequence_sweep"``) above ``MEMORY_MARK``, the memory
+    benchmark (``key="memory"``) from it on."""
+    old = out.read_text() if out.exists() else ""
+    sweep, mark, memory = old.partition(MEMORY_MARK)
+    if key == "memory":
+        text = (sweep.rstrip() + "\n\n" if sweep.strip() else "") + MEMORY_MARK + "\n\n" + text
+    else:
+        text = text + (f"\n{mark}{memory}" if mark else "")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    data_path = out.with_suffix(".json")
+    everything = json.loads(data_path.read_text()) if data_path.exists() else {}
+    data_path.write_text(json.dumps({**everything, key: data}, indent=1))
+
+
 def main() -> None:
     """Run the driver or, with ``--worker``, one cp's measurements."""
     args = parse_args()
@@ -294,9 +313,7 @@ def main() -> None:
             results[cp] = run_cp(args, cp, Path(tmp))
             print(f"cp={cp}: " + ", ".join(f"{p['seq']}: {p['step_s']:.2f}s" for p in results[cp]), flush=True)
     text = report(args, results, time.perf_counter() - start, os.getloadavg()[1])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    save_results(args.out, "sequence_sweep", results, text)
     print(text)
 
 
