@@ -24,7 +24,7 @@ BAD_ARGUMENTS = {
         "world size 4 is not divisible by context_parallel_size x tensor_parallel_size = 3 x 1 = 3",
     ),
     "cp x tp does not divide the world": (
-        {"context_parallel_size": 2, "tensor_parallel_size": 3},
+        {"context_parallel_size": 2, "tensor_parallel_size": 3, "data_parallel": "fsdp"},
         "world size 4 is not divisible by context_parallel_size x tensor_parallel_size = 2 x 3 = 6",
     ),
     "dp does not fit": (
