@@ -136,6 +136,21 @@ def test_a_pretrained_model_takes_saved_configs_but_no_changed_architecture() ->
         (["strategy.sequence_parallel=true"], r"sequence_parallel: true needs strategy.tensor_parallel_size > 1"),
         (["strategy.data_parallel_size=foo"], r"strategy.data_parallel_size: got 'foo'"),
         (["run.name=../x"], r"run.name='../x': expected a plain folder name"),
+        (
+            ["strategy.tensor_parallel_size=2", "strategy.context_parallel_size=1"],
+            r"strategy.tensor_parallel_size: 2 needs strategy.data_parallel=fsdp",
+        ),
+        (["strategy.cpu_offload=true"], r"strategy.cpu_offload: true needs strategy.data_parallel=fsdp"),
+        (["model.loss_chunk_tokens=-1"], r"model.loss_chunk_tokens: got -1"),
+        (
+            [
+                "strategy.tensor_parallel_size=2",
+                "strategy.data_parallel=fsdp",
+                "strategy.context_parallel_size=1",
+                "trainer.precision=16-mixed",
+            ],
+            r"16-mixed with strategy.tensor_parallel_size > 1",
+        ),
     ],
 )
 def test_values_that_cannot_train_are_config_errors(overrides: list[str], expected: str) -> None:

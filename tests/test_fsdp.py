@@ -41,8 +41,8 @@ FIT_OPTIONS = {**TRAINER_OPTIONS, "precision": "64-true", "gradient_clip_val": 0
 class RecordingLM(LlamaLM):
     """``LlamaLM`` that records each step's replica mean loss and the bytes this rank holds for its model state."""
 
-    def __init__(self, **architecture: Any) -> None:
-        torch.manual_seed(0)
+    def __init__(self, seed_by_rank: bool = False, **architecture: Any) -> None:
+        torch.manual_seed(int(os.environ.get("RANK", "0")) if seed_by_rank else 0)
         super().__init__(lr=3e-2, warmup_steps=0, **{**ARCHITECTURE, **architecture})
         self.losses: list[float] = []
         self.indices: list[int] = []
@@ -104,6 +104,13 @@ FITS = [
     Fit("fsdp-dp2cp2-packed", 4, "packed", {**FSDP, "context_parallel_size": 2}),
     Fit("fsdp-cp4-dense-no-reshard", 4, "dense", {**FSDP, "reshard_after_forward": False}),
     Fit("fsdp-cp2tp2-dense", 4, "dense", {**FSDP, "context_parallel_size": 2, "tensor_parallel_size": 2}),
+    Fit(  # every rank builds different weights: all must start from global rank 0's (the reference's seed)
+        "fsdp-cp2tp2-packed-rank-seeded",
+        4,
+        "packed",
+        {**FSDP, "context_parallel_size": 2, "tensor_parallel_size": 2},
+        {"seed_by_rank": True},
+    ),
     Fit("fsdp-cp2tp2-packed-sp", 4, "packed", {**FSDP, "context_parallel_size": 2, **SP}),
     Fit("fsdp-cp2tp2-dense-sp", 4, "dense", {**FSDP, "context_parallel_size": 2, **SP}),
     Fit(

@@ -27,7 +27,12 @@ torch.set_num_threads(1)
 
 SAVED_AT = 3
 SAVER = {"data_parallel": "fsdp", "context_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True}
-LOADERS = {"ddp cp1": (1, {}), "fsdp cp4": (4, {"data_parallel": "fsdp"}), "ddp cp2": (2, {})}
+LOADERS = {
+    "ddp cp1": (1, {}),
+    "fsdp cp4": (4, {"data_parallel": "fsdp"}),
+    "ddp cp2": (2, {}),
+    "fsdp cp2 x tp2 without SP": (4, {"data_parallel": "fsdp", "context_parallel_size": 2, "tensor_parallel_size": 2}),
+}
 OPTIONS = {**FIT_OPTIONS, "use_distributed_sampler": False}  # dp = 1 everywhere: every rank takes every batch
 
 
@@ -129,7 +134,7 @@ def assert_losses_close(actual: list[float], expected: list[float], what: str) -
 
 @pytest.mark.parametrize("distributed", [False, True], ids=["full-state file", "sharded folder"])
 def test_fsdp_tp_checkpoint_resumes_under_other_layouts(tmp_path: Path, distributed: bool) -> None:
-    """Save under fsdp cp2 x tp2 with SP; resume under ddp cp1, fsdp cp4 and ddp cp2."""
+    """Save under fsdp cp2 x tp2 with SP; resume under ddp cp1, fsdp cp4, ddp cp2 and fsdp cp2 x tp2 without SP."""
     path = str(tmp_path / "saved.ckpt")
     reference = run_on_ranks(uninterrupted, 1, init_process_group=False)[0]
     saved = run_on_ranks(train_and_save, 4, 4, path, distributed, init_process_group=False, timeout=180)

@@ -122,24 +122,27 @@ def test_tensor_parallel_checkpoint_is_gathered_and_loads_on_one_device(tmp_path
 
 
 class RankStampedModel(TinyTransformer):
-    """Stamps its head bias with the global rank in ``configure_model`` (as a TP shard would differ per rank)."""
+    """Stamps, in ``configure_model``, its head bias and its tensor-parallel MLP bias shard with the global rank."""
 
     def __init__(self) -> None:
-        super().__init__(ATTENTION)
+        super().__init__(ATTENTION, tensor_parallel=True)
         self.mesh_seen: dict[str, Any] = {}
-        self.bias_at_validation: float | None = None
+        self.stamps_at_evaluation: tuple[float, float] | None = None
 
     def configure_model(self) -> None:
-        """Record the mesh handed over by the strategy and stamp this rank's weights."""
+        """Record the mesh handed over by the strategy, apply tensor parallelism and stamp this rank's weights."""
         mesh = self.device_mesh
         self.mesh_seen = {"names": mesh.mesh_dim_names, "shape": tuple(mesh.shape)}
+        super().configure_model()
         with torch.no_grad():
             self.head.bias.fill_(float(self.global_rank))
+            self.blocks[0].mlp[0].bias.to_local().fill_(float(self.global_rank))
 
     def on_validation_start(self) -> None:
-        """Record the weights evaluation starts from (gathered, when FSDP sharded them)."""
-        bias = self.head.bias
-        self.bias_at_validation = (bias.full_tensor() if isinstance(bias, DTensor) else bias)[0].item()
+        """Record the weights evaluation starts from: the plain bias and this rank's part of the TP shard."""
+        plain, shard = self.head.bias, self.blocks[0].mlp[0].bias
+        plain = plain.full_tensor() if isinstance(plain, DTensor) else plain
+        self.stamps_at_evaluation = (plain[0].item(), shard.to_local()[0].item())
 
     on_test_start = on_validation_start
 
@@ -160,15 +163,16 @@ def evaluate_rank_stamped(world_size: int) -> dict[str, dict[str, Any]]:
             **TRAINER_OPTIONS,
         )
         getattr(trainer, stage)(model, DataLoader(validation_batches(), batch_size=None), verbose=False)
-        results[stage] = {"mesh": model.mesh_seen, "bias": model.bias_at_validation}
+        results[stage] = {"mesh": model.mesh_seen, "stamps": model.stamps_at_evaluation}
     return results
 
 
-def test_validate_and_test_sync_weights_over_dp_x_cp_only_and_module_gets_the_mesh() -> None:
-    """cp2 x tp2 (TP fastest): ranks 0, 2 take rank 0's weights, ranks 1, 3 keep rank 1's; not rank 0's everywhere."""
+def test_evaluation_starts_from_rank_0_weights_and_the_module_gets_the_mesh() -> None:
+    """cp2 x tp2 (TP fastest): every rank takes rank 0's plain weights; a TP shard comes from the DP x CP rank 0
+    holding the same shard (ranks 0, 2 take rank 0's, ranks 1, 3 rank 1's)."""
     results = run_on_ranks(evaluate_rank_stamped, 4, 4, init_process_group=False)
     for stage in ("validate", "test"):
         for result in results:
             mesh = {"names": ("data_parallel", "context_parallel", "tensor_parallel"), "shape": (1, 2, 2)}
             assert result[stage]["mesh"] == mesh, stage
-        assert [result[stage]["bias"] for result in results] == [0.0, 1.0, 0.0, 1.0], stage
+        assert [result[stage]["stamps"] for result in results] == [(0.0, 0.0), (0.0, 1.0)] * 2, stage

@@ -105,8 +105,7 @@ def is_initialized() -> bool:
 
 def original_class_name(module: torch.nn.Module) -> str:
     """Return the module's class name as its author wrote it (``fully_shard`` swaps in a class named ``FSDP<name>``)."""
-    cls = type(module)
-    return cls.__mro__[2].__name__ if isinstance(module, FSDPModule) else cls.__name__
+    return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule)).__name__
 
 
 def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...]) -> DeviceMesh:
@@ -145,12 +144,20 @@ def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return reduced
 
 
-def broadcast_module_states(module: torch.nn.Module, group: ProcessGroup) -> None:
-    """Copy the parameters and buffers of ``module`` from group rank 0 to every rank of ``group``."""
+def broadcast_module_states(
+    module: torch.nn.Module, group: ProcessGroup, tensor_parallel_group: ProcessGroup | None = None
+) -> None:
+    """Copy the parameters and buffers of ``module`` from group rank 0 to every rank of ``group``.
+
+    A tensor-parallel DTensor's local shard is copied within ``group`` (the ranks holding the same shard); a plain
+    tensor is then also copied over ``tensor_parallel_group``, so every rank ends with global rank 0's values.
+    """
     with torch.no_grad():
         for tensor in (*module.parameters(), *module.buffers()):
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
             dist.broadcast(local, group_src=0, group=group)
+            if tensor_parallel_group is not None and tensor_parallel_group.size() > 1 and local is tensor:
+                dist.broadcast(local, group_src=0, group=tensor_parallel_group)
 
 
 class _AllGatherStack(torch.autograd.Function):
@@ -179,22 +186,32 @@ def all_gather_stack(input_: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return _AllGatherStack.apply(input_, group)
 
 
-class RingTransfer:
-    """A pending send to the next ring rank and receive from the previous one; ``wait`` returns the received tensor."""
+class Transfer:
+    """Pending asynchronous collectives or point-to-point operations; ``wait`` returns the tensor they fill.
 
-    def __init__(self, works: list, sent: torch.Tensor, received: torch.Tensor) -> None:
+    Until then it keeps the tensors being sent alive; after ``wait`` it holds nothing, so dropping the returned
+    tensor frees it.
+    """
+
+    def __init__(self, works: list, sent: Sequence[torch.Tensor], received: torch.Tensor) -> None:
         self._works = works
-        self._sent = sent  # the send buffer must outlive the asynchronous send
-        self._received = received
+        self._sent = list(sent)
+        self._received: torch.Tensor | None = received
 
     def wait(self) -> torch.Tensor:
-        """Block until both transfers finished and return the tensor from the previous rank."""
+        """Block until every operation finished and return the received (or reduced) tensor."""
         for work in self._works:
             work.wait()
-        return self._received
+        received, self._works, self._sent, self._received = self._received, [], [], None
+        if received is None:
+            raise RuntimeError("Transfer.wait() called twice")
+        return received
 
 
-def ring_shift(tensor: torch.Tensor, group: ProcessGroup, tag: int = 0) -> RingTransfer:
+RingTransfer = Transfer  # the name benchmarks/train_bench.py times attention communication by
+
+
+def ring_shift(tensor: torch.Tensor, group: ProcessGroup, tag: int = 0) -> Transfer:
     """Start sending ``tensor`` to group rank ``rank + 1`` and receiving the same shape from ``rank - 1`` (cyclic)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     sent = tensor.contiguous()
@@ -208,7 +225,24 @@ def ring_shift(tensor: torch.Tensor, group: ProcessGroup, tag: int = 0) -> RingT
             dist.P2POp(dist.irecv, received, previous_rank, group, tag),
         ]
     )
-    return RingTransfer(works, sent, received)
+    return Transfer(works, [sent], received)
+
+
+def broadcast_from(tensor: torch.Tensor, src: int, group: ProcessGroup) -> Transfer:
+    """Start broadcasting group rank ``src``'s contiguous ``tensor`` into the same-shaped ``tensor`` of every rank."""
+    size = dist.get_world_size(group)
+    if dist.get_rank(group) == src:
+        _sent((size - 1) * tensor.numel() * tensor.element_size())
+    work = dist.broadcast(tensor, group_src=src, group=group, async_op=True)
+    return Transfer([work], [tensor], tensor)
+
+
+def reduce_sum_to(tensor: torch.Tensor, dst: int, group: ProcessGroup) -> Transfer:
+    """Start summing every rank's contiguous ``tensor`` into group rank ``dst``'s (the others' become scratch)."""
+    if dist.get_rank(group) != dst:
+        _sent(tensor.numel() * tensor.element_size())
+    work = dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return Transfer([work], [tensor], tensor)
 
 
 def all_to_all_v_into(

@@ -7,7 +7,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_cp.core.loss import CPLoss, cp_cross_entropy
@@ -81,16 +80,10 @@ class CausalLMModule(pl.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW (no decay on norms and biases) with linear warm-up and cosine decay over the run's steps."""
         hp = self.hparams
-        groups: dict[tuple[bool, Any], list[torch.Tensor]] = {}
-        for parameter in self.parameters():
-            if parameter.requires_grad:
-                mesh = parameter.device_mesh if isinstance(parameter, DTensor) else None
-                groups.setdefault((parameter.dim() >= 2, mesh), []).append(parameter)
-        optimizer = torch.optim.AdamW(  # one group per mesh: the fused/foreach updates take one mesh at a time
-            [
-                {"params": params, "weight_decay": hp.weight_decay if decay else 0.0}
-                for (decay, _), params in groups.items()
-            ],
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=hp.lr,
             betas=tuple(hp.betas),
         )

@@ -9,8 +9,9 @@ plus ``meta.pt`` with the rest of the checkpoint.
 
 from __future__ import annotations
 
+import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,15 @@ def model_state(module: nn.Module, full: bool = True) -> dict[str, Any]:
 
 
 def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, full: bool = True) -> dict[str, Any]:
-    """Return the optimizer's state keyed by parameter name: full on global rank 0 (empty elsewhere), or shards."""
+    """Return the optimizer's state keyed by parameter name: full on global rank 0 (empty elsewhere), or shards.
+
+    Before the first step there is no state to gather: ``get_optimizer_state_dict`` would create it with a step of
+    zero learning rate (changing the bias correction of the first real update), so only the groups are returned.
+    """
+    if not optimizer.state:
+        names = {id(parameter): name for name, parameter in module.named_parameters()}
+        groups = [{**group, "params": [names[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
+        return {"state": {}, "param_groups": groups}
     return get_optimizer_state_dict(module, optimizer, options=_GATHERED if full else StateDictOptions())
 
 
@@ -52,7 +61,10 @@ def load_model_state(module: nn.Module, state: Mapping[str, Any], strict: bool =
 
 
 def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
-    """Load a full optimizer state (keyed by parameter name, or by index as ``Optimizer.state_dict`` writes it)."""
+    """Load a full optimizer state (keyed by parameter name, or by index as ``Optimizer.state_dict`` writes it); one
+    saved before the first step holds nothing to load."""
+    if not state["state"]:
+        return
     state = _keyed_by_name(module, optimizer, state)
     set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
@@ -72,26 +84,48 @@ def _keyed_by_name(module: nn.Module, optimizer: torch.optim.Optimizer, state: M
 
 
 def save_distributed(
-    checkpoint: dict[str, Any], path: Path, is_global_zero: bool, barrier: Any
+    checkpoint: dict[str, Any], path: Path, is_global_zero: bool, broadcast: Callable[[Any], Any]
 ) -> None:
     """Write a checkpoint folder from every rank: the shards of ``state_dict`` and ``optimizer_states`` through DCP,
     the rest as ``meta.pt``; written under ``<name>.partial`` and renamed, so an interrupted save leaves no folder
-    under the real name."""
+    under the real name. A failure of global rank 0's file work is the same ``RuntimeError`` on every rank
+    (``broadcast`` shares its outcome), never a rank left waiting."""
     partial = path.with_name(path.name + ".partial")
-    if is_global_zero:
-        shutil.rmtree(partial, ignore_errors=True)
-    barrier("cp_zigzag checkpoint folder cleared")
+    replaced = path.with_name(path.name + ".replaced")
+    _on_global_zero(is_global_zero, broadcast, path, lambda: shutil.rmtree(partial, ignore_errors=True))
     shards = {"state_dict": checkpoint.pop("state_dict")}
     shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
     dcp.save(shards, checkpoint_id=partial)
-    if is_global_zero:
-        torch.save(checkpoint, partial / META_FILE)
-        replaced = path.with_name(path.name + ".replaced")
-        if path.exists():
-            path.rename(replaced) if path.is_dir() else path.unlink()
+
+    def publish() -> None:
+        with (partial / META_FILE).open("wb") as handle:
+            torch.save(checkpoint, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        shutil.rmtree(replaced, ignore_errors=True)  # left by a save killed while it cleaned up
+        if path.is_dir():
+            path.rename(replaced)
+        elif path.exists():
+            path.unlink()
         partial.rename(path)
         shutil.rmtree(replaced, ignore_errors=True)
-    barrier("cp_zigzag checkpoint folder written")
+
+    _on_global_zero(is_global_zero, broadcast, path, publish)
+
+
+def _on_global_zero(
+    is_global_zero: bool, broadcast: Callable[[Any], Any], path: Path, work: Callable[[], None]
+) -> None:
+    """Run ``work`` on global rank 0 and give every rank its outcome: nothing, or the same error."""
+    failure = None
+    if is_global_zero:
+        try:
+            work()
+        except OSError as error:
+            failure = f"{type(error).__name__}: {error}"
+    failure = broadcast(failure)
+    if failure is not None:
+        raise RuntimeError(f"checkpoint folder {path} not written: {failure}")
 
 
 def load_distributed(
@@ -104,7 +138,7 @@ def load_distributed(
     set_model_state_dict(module, model_shards["state_dict"], options=StateDictOptions(strict=strict))
     for index, optimizer in enumerate(optimizers):
         key = f"optimizer_{index}"
-        optimizer_shards = {key: optimizer_state(module, optimizer, full=False)}
+        optimizer_shards = {key: get_optimizer_state_dict(module, optimizer)}  # the template DCP fills
         dcp.load(optimizer_shards, checkpoint_id=path)
         set_optimizer_state_dict(module, optimizer, optimizer_shards[key])
     return torch.load(path / META_FILE, map_location="cpu", weights_only=True)

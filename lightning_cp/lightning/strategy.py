@@ -146,7 +146,7 @@ class CPZigzagStrategy(DDPStrategy):
         self.cpu_offload = cpu_offload
         self.save_distributed_checkpoint = save_distributed_checkpoint
         self._cp_setting: ContextParallelSetting | None = None
-        self._restored_from_folder = False
+        self._loaded_folder = False
 
     @property
     def cp_setting(self) -> ContextParallelSetting:
@@ -200,6 +200,8 @@ class CPZigzagStrategy(DDPStrategy):
             self.sequence_parallel,
             self.ulysses_size or 1,
         )
+        if self.cpu_offload and self.root_device.type == "cuda" and self._process_group_backend in (None, "nccl"):
+            self._process_group_backend = "cpu:gloo,cuda:nccl"  # offloaded DTensors (norms, checkpoints) reduce on CPU
         super().setup_environment()
         mesh = build_context_parallel_mesh(self.root_device.type, dims)
         self._cp_setting = ContextParallelSetting(
@@ -212,6 +214,8 @@ class CPZigzagStrategy(DDPStrategy):
     def _choose_attention_mode(self, context_parallel_size: int) -> None:
         """Resolve ``attention_mode="auto"`` from the module's head counts (all-gather when they cannot be found)."""
         counts = model_head_counts(self.lightning_module)
+        if counts is not None:  # each tensor-parallel rank attends with its share of the heads
+            counts = (max(1, counts[0] // self.tensor_parallel_size), max(1, counts[1] // self.tensor_parallel_size))
         mode, ulysses = ("allgather", None) if counts is None else choose_attention_mode(context_parallel_size, *counts)
         if mode == "hybrid" and self.sequence_parallel:
             mode, ulysses = "allgather", None
@@ -233,6 +237,11 @@ class CPZigzagStrategy(DDPStrategy):
         self.model_to_device()
         mesh = self.cp_mesh
         sharded = fsdp.check_wrapping(self.model, self.data_parallel, mesh.dims.data_parallel * mesh.cp_size)
+        if self.tensor_parallel_size > 1 and str(self.precision_plugin.precision) == "16-mixed":
+            raise ValueError(
+                "precision='16-mixed' with tensor_parallel_size > 1: the gradient scaler's inf check is not reduced "
+                "over the tensor-parallel ranks, which would step apart; use 'bf16-mixed'"
+            )
         if self.data_parallel == "fsdp":
             if not sharded:
                 self._shard(trainer)
@@ -248,11 +257,11 @@ class CPZigzagStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _shard(self, trainer: pl.Trainer) -> None:
-        """Start every rank from rank 0's weights, then ``fully_shard`` each layer the layout policy wraps, then the
-        root."""
+        """Start every rank from global rank 0's weights (tensor-parallel shards from the DP x CP rank 0 holding the
+        same shard), then ``fully_shard`` each layer the layout policy wraps, then the root."""
         assert self.model is not None
         mesh = self.cp_mesh
-        comm.broadcast_module_states(self.model, mesh.dp_cp_group)
+        comm.broadcast_module_states(self.model, mesh.dp_cp_group, mesh.tp_group)
         policy = next(cb for cb in trainer.callbacks if isinstance(cb, ContextParallelLayoutCallback)).policy
         blocks = [module for module, _ in select_layers(self.model, policy.zigzag_layers, policy.contiguous_layers)]
         fsdp.shard_module(
@@ -327,7 +336,7 @@ class CPZigzagStrategy(DDPStrategy):
     @override
     def lightning_restore_optimizer(self) -> bool:
         """Let Lightning restore the optimizers, unless a checkpoint folder already loaded them."""
-        return not self._restored_from_folder
+        return not self._loaded_folder
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -339,15 +348,15 @@ class CPZigzagStrategy(DDPStrategy):
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Return the optimizer state keyed by parameter name (full on global rank 0, or shards for a folder)."""
         assert self.lightning_module is not None
-        optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        return state.optimizer_state(self.lightning_module, optimizer, full=not self.save_distributed_checkpoint)
+        full = not self.save_distributed_checkpoint
+        return state.optimizer_state(self.lightning_module, _unwrapped(optimizer), full=full)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load a full-state checkpoint, cutting this rank's shard of every sharded parameter (a checkpoint folder
         was loaded by ``load_checkpoint`` already)."""
         assert self.lightning_module is not None
-        if "state_dict" in checkpoint:
+        if not self._loaded_folder:
             state.load_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
 
     @override
@@ -355,8 +364,7 @@ class CPZigzagStrategy(DDPStrategy):
         """Load each optimizer's full state (keyed by parameter name, or by index as ``Optimizer.state_dict``)."""
         assert self.lightning_module is not None
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-            state.load_optimizer_state(self.lightning_module, optimizer, saved)
+            state.load_optimizer_state(self.lightning_module, _unwrapped(optimizer), saved)
 
     @override
     def save_checkpoint(
@@ -366,17 +374,17 @@ class CPZigzagStrategy(DDPStrategy):
         if not self.save_distributed_checkpoint:
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
-        state.save_distributed(checkpoint, Path(self.broadcast(str(filepath))), self.is_global_zero, self.barrier)
+        state.save_distributed(checkpoint, Path(self.broadcast(str(filepath))), self.is_global_zero, self.broadcast)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Read a checkpoint file, or load a checkpoint folder straight into the module and optimizers (resharded)."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        if not state.is_distributed_checkpoint(path):
+        self._loaded_folder = state.is_distributed_checkpoint(path)
+        if not self._loaded_folder:
             return super().load_checkpoint(path, weights_only)
         assert self.lightning_module is not None
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-        self._restored_from_folder = bool(optimizers)
+        optimizers = [_unwrapped(optimizer) for optimizer in self.optimizers]
         return state.load_distributed(path, self.lightning_module, optimizers, self.lightning_module.strict_loading)
 
     @override
@@ -395,6 +403,11 @@ class CPZigzagStrategy(DDPStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="Context parallelism with zigzag attention over a device mesh"
             )
+
+
+def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Return the torch optimizer behind a ``LightningOptimizer``."""
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 CPZigzagStrategy.register_strategies(StrategyRegistry)

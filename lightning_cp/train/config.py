@@ -19,6 +19,7 @@ from lightning_cp.core.runtime import LayerPolicy
 from lightning_cp.core.zigzag import LAYOUT_NAMES
 from lightning_cp.lightning.fsdp import DATA_PARALLEL_MODES
 from lightning_cp.train.models.llama import LlamaConfig
+from lightning_cp.train.models.parallelize import check_tensor_parallel_size
 
 
 def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
@@ -284,10 +285,12 @@ def _check_sharding(cfg: DictConfig) -> None:
             "built-in model only"
         )
     if tp > 1 and not cfg.model.pretrained:
-        sizes = {name: cfg.model[name] for name in ("num_heads", "num_kv_heads", "intermediate_size")}
-        for name, size in sizes.items():
-            if size % tp:
-                raise ConfigError(f"strategy.tensor_parallel_size: {tp} does not divide model.{name}={size}")
+        try:
+            check_tensor_parallel_size(cfg.model, tp)
+        except ValueError as error:
+            raise ConfigError(f"strategy.{error}") from None
+    if tp > 1 and cfg.trainer.precision.value == "16-mixed":
+        raise ConfigError("trainer.precision: 16-mixed with strategy.tensor_parallel_size > 1; use bf16-mixed")
 
 
 def _check_values(cfg: DictConfig) -> None:
