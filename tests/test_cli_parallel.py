@@ -55,9 +55,7 @@ def test_fsdp_and_tensor_parallel_runs_match_ddp_at_cp1(tmp_path: Path) -> None:
 
 def test_sharded_checkpoint_folder_resumes_under_another_layout(tmp_path: Path) -> None:
     """``checkpoint.distributed=true`` under fsdp cp2 writes folders; ddp cp1 resumes the step-3 one exactly."""
-    saved = fit(
-        tmp_path, "sharded", "trainer.devices=2", "strategy.data_parallel=fsdp", "checkpoint.distributed=true"
-    )
+    saved = fit(tmp_path, "sharded", "trainer.devices=2", "strategy.data_parallel=fsdp", "checkpoint.distributed=true")
     checkpoints = saved / "checkpoints"
     assert is_distributed_checkpoint(checkpoints / "last.ckpt")
     assert is_distributed_checkpoint(checkpoints / "step000003.ckpt")

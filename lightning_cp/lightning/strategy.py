@@ -367,9 +367,7 @@ class CPZigzagStrategy(DDPStrategy):
             state.load_optimizer_state(self.lightning_module, _unwrapped(optimizer), saved)
 
     @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
-    ) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Write the checkpoint: one file from global rank 0, or a folder of shards from every rank."""
         if not self.save_distributed_checkpoint:
             super().save_checkpoint(checkpoint, filepath, storage_options)
