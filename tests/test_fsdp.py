@@ -86,6 +86,7 @@ class Fit:
     batch_kind: str
     strategy: dict[str, Any] = field(default_factory=dict)
     architecture: dict[str, Any] = field(default_factory=dict)
+    accumulate: int = 1
 
     @property
     def replicas(self) -> int:
@@ -101,6 +102,7 @@ FITS = [
     Fit("fsdp-cp2-packed-ring", 2, "packed", {**FSDP, "attention_mode": "ring"}),
     Fit("fsdp-cp2-packed-offload", 2, "packed", {**FSDP, "cpu_offload": True}),
     Fit("ddp-cp2-packed", 2, "packed"),
+    Fit("fsdp-cp2-packed-accumulating", 2, "packed", FSDP, accumulate=2),
     Fit("fsdp-dp2cp2-packed", 4, "packed", {**FSDP, "context_parallel_size": 2}),
     Fit("fsdp-cp4-dense-no-reshard", 4, "dense", {**FSDP, "reshard_after_forward": False}),
     Fit("fsdp-cp2tp2-dense", 4, "dense", {**FSDP, "context_parallel_size": 2, "tensor_parallel_size": 2}),
@@ -132,7 +134,9 @@ def fit_on_rank(world_size: int, fits: list[Fit]) -> list[dict[str, Any]]:
     for run in fits:
         os.environ["WORLD_SIZE"] = str(world_size)  # Lightning's teardown removes it
         model = RecordingLM(**run.architecture)
-        trainer = pl.Trainer(devices=world_size, strategy=CPZigzagStrategy(**run.strategy), **FIT_OPTIONS)
+        strategy = CPZigzagStrategy(**run.strategy)
+        options = {**FIT_OPTIONS, "accumulate_grad_batches": run.accumulate}
+        trainer = pl.Trainer(devices=world_size, strategy=strategy, **options)
         trainer.fit(model, DataLoader(batches(run.batch_kind), batch_size=None))
         optimizer_state = trainer.optimizers[0].state.values()
         state_bytes = sum(local_bytes(value) for entry in optimizer_state for value in entry.values() if value.dim())
@@ -151,11 +155,11 @@ def fit_on_rank(world_size: int, fits: list[Fit]) -> list[dict[str, Any]]:
     return results
 
 
-def reference(batch_kind: str, order: tuple[int, ...], replicas: int) -> dict[str, Any]:
+def reference(batch_kind: str, order: tuple[int, ...], accumulate: int) -> dict[str, Any]:
     """Train on one device under plain Lightning on the batches in ``order``; each step accumulates the batches the
-    replicas took in that step."""
+    replicas took in that step (all their micro-batches)."""
     model = RecordingLM()
-    options = {**FIT_OPTIONS, "accumulate_grad_batches": replicas}
+    options = {**FIT_OPTIONS, "accumulate_grad_batches": accumulate}
     trainer = pl.Trainer(devices=1, strategy="auto", use_distributed_sampler=False, **options)
     every = batches(batch_kind)
     trainer.fit(model, DataLoader([every[index] for index in order], batch_size=None))
@@ -171,9 +175,9 @@ def launch(world_size: int) -> list[list[dict[str, Any]]]:
 
 
 @cache
-def reference_run(batch_kind: str, order: tuple[int, ...], replicas: int) -> dict[str, Any]:
+def reference_run(batch_kind: str, order: tuple[int, ...], accumulate: int) -> dict[str, Any]:
     """Return the one-device reference (in a forked process, so this one starts no thread pool)."""
-    return run_on_ranks(reference, 1, batch_kind, order, replicas, init_process_group=False, timeout=120)[0]
+    return run_on_ranks(reference, 1, batch_kind, order, accumulate, init_process_group=False, timeout=120)[0]
 
 
 def result_of(name: str) -> list[dict[str, Any]]:
@@ -190,13 +194,14 @@ def test_training_matches_one_device(name: str) -> None:
     per_rank = result_of(name)
     by_replica = {result["dp_rank"]: result["indices"] for result in per_rank}
     assert sorted(by_replica) == list(range(run.replicas))
-    order = tuple(by_replica[replica][step] for step in range(STEPS) for replica in range(run.replicas))
+    micro_batches = STEPS * run.accumulate
+    order = tuple(by_replica[replica][micro] for micro in range(micro_batches) for replica in range(run.replicas))
     assert len(set(order)) == len(order), f"{name}: replicas shared a batch: {by_replica}"
-    expected = reference_run(run.batch_kind, order, run.replicas)
+    expected = reference_run(run.batch_kind, order, run.replicas * run.accumulate)
     for result in per_rank:
         assert result["indices"] == by_replica[result["dp_rank"]], f"{name}: ranks of a replica saw different data"
         losses = expected["losses"][result["dp_rank"] :: run.replicas]
-        assert len(result["losses"]) == STEPS == len(losses)
+        assert len(result["losses"]) == micro_batches == len(losses)
         for step, (actual, wanted) in enumerate(zip(result["losses"], losses, strict=True)):
             assert abs(actual - wanted) <= 1e-9 * abs(wanted), f"{name} step {step}: {actual!r} != {wanted!r}"
     weights = per_rank[0]["weights"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import copy
 import shutil
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Generator, Mapping, MutableMapping
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +22,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -291,6 +293,20 @@ class CPZigzagStrategy(DDPStrategy):
             module=model, device_ids=device_ids, process_group=self.cp_mesh.dp_cp_group, **self._ddp_kwargs
         )
 
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip the gradient reduction of accumulation steps before the last (FSDP: reduce-scatter once per step)."""
+        if not isinstance(self.model, FSDPModule):
+            with super().block_backward_sync():
+                yield
+            return
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
     def _redirected_step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         """Run ``LightningModule.<name>`` through the module's ``__call__``, so FSDP's root hooks run around it."""
         assert self.model is not None and self.lightning_module is not None
@@ -387,9 +403,13 @@ class CPZigzagStrategy(DDPStrategy):
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        """Remove a checkpoint file or folder (global rank 0)."""
-        if self.is_global_zero and Path(filepath).is_dir():
-            shutil.rmtree(filepath)
+        """Remove a checkpoint file or folder (global rank 0); a folder is renamed first, so an interrupted removal
+        never leaves something that still looks like a checkpoint."""
+        path = Path(filepath)
+        if self.is_global_zero and path.is_dir():
+            removing = path.with_name(path.name + ".removing")
+            path.rename(removing)
+            shutil.rmtree(removing)
         else:
             super().remove_checkpoint(filepath)
 
