@@ -1,20 +1,28 @@
 """Benchmark CP attention: zigzag versus contiguous load balance; all-gather, ring, Ulysses and hybrid at cp 2 and 4
-(time, bytes sent, memory, balance); and which mode sends the fewest bytes for common GPU models.
+(time, bytes sent, memory, balance); peak memory per rank and parallel efficiency against single-process SDPA at
+cp 1, 2 and 4; and which mode sends the fewest bytes for common GPU models.
 
-Run from the repository root: ``python benchmarks/attention_bench.py [--quick]``. Everything runs on CPU with one
-thread per rank (gloo for the process groups); tables are printed and saved to ``benchmarks/results/``.
+Run from the repository root: ``python benchmarks/attention_bench.py [--quick] [--baseline CHECKOUT]``. Everything
+runs on CPU with one thread per rank (gloo for the process groups); tables are printed and saved to
+``benchmarks/results/``. ``--baseline`` names another checkout of the project (e.g. ``git worktree add /tmp/before
+HEAD`` before a change): the memory and efficiency table then measures its code too, config by config in the same
+run, for before/after columns.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
+import json
 import multiprocessing as mp
 import os
 import platform
 import random
 import socket
 import statistics
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -25,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from lightning_cp.core import comm, zigzag
 from lightning_cp.core.attention import api as attention
@@ -239,6 +248,124 @@ def modes_table(total: int, cps: Sequence[int], repeats: int) -> str:
     return "\n".join(lines)
 
 
+EFFICIENCY_HEADS = 8
+
+
+def _sdpa_reference(workload: Workload, track_memory: bool) -> dict[str, float]:
+    """Single process, one thread, after a warm-up call: with ``track_memory`` SDPA's peak resident growth for
+    forward + backward over all the workload's tokens (the flash kernel's buffers do not depend on the mask), else
+    its CPU seconds for the same work as the workload (packed: each document on its own, the cheapest exact way)."""
+
+    def run(length: int) -> tuple[float, float]:
+        q, k, v = (torch.randn(length, 1, EFFICIENCY_HEADS, HEAD_DIM).requires_grad_() for _ in range(3))
+        gc.collect()
+        Path("/proc/self/clear_refs").write_text("5")
+        resident, start = _memory_kib("VmRSS"), time.process_time()
+        out = F.scaled_dot_product_attention(*(x.permute(1, 2, 0, 3) for x in (q, k, v)), is_causal=True)
+        out.backward(torch.ones_like(out))
+        return time.process_time() - start, (_memory_kib("VmHWM") - resident) / 1024
+
+    run(512)
+    if track_memory:
+        return {"peak": run(sum(workload.lengths))[1]}
+    lengths = workload.lengths if workload.packed else (sum(workload.lengths),)
+    return {"seconds": sum(run(length)[0] for length in lengths)}
+
+
+def _shard_trial(workload: Workload, mode: str, track_memory: bool) -> dict[str, float]:
+    """Rank body: the peak resident growth (``track_memory``) or the CPU seconds (all threads, and the calling thread
+    alone) of one ``zigzag_attention`` forward + backward with the public defaults, after a small warm-up call and
+    with the batch's block plan built (once per batch in training, shared by every layer and the backward)."""
+    cp = dist.get_world_size()
+    heads = (EFFICIENCY_HEADS, EFFICIENCY_HEADS)
+    warm = Workload("warm-up", (64 * cp, 32 * cp) if workload.packed else (128 * cp,), workload.packed)
+    total = sum(workload.lengths)
+    geometry = (
+        zigzag.ZigzagGeometry.packed(cp, workload.lengths)
+        if workload.packed
+        else zigzag.ZigzagGeometry.dense(cp, total)
+    )
+    attention._block_plan(geometry, dist.get_rank(), True, torch.device("cpu"))
+    for case in (warm, workload):  # the last one counts
+        local, params = _mode_inputs(case, heads, cp, 1)
+        leaves = [x.clone().requires_grad_() for x in local]
+        del local
+        dist.barrier()
+        gc.collect()
+        Path("/proc/self/clear_refs").write_text("5")
+        resident = _memory_kib("VmRSS")
+        start, thread = time.process_time(), time.thread_time()
+        out = attention.zigzag_attention(*leaves, dist.group.WORLD, packed_seq_params=params, mode=mode)
+        out.backward(torch.ones_like(out))
+        seconds, thread = time.process_time() - start, time.thread_time() - thread
+        peak = (_memory_kib("VmHWM") - resident) / 1024
+        del out, leaves
+    return {"peak": peak} if track_memory else {"seconds": seconds, "thread": thread}
+
+
+def _trial(workload: Workload, cp: int, mode: str, checkout: Path | None) -> dict[str, float]:
+    """Peak MiB of the highest rank (a run with memory tracking) and CPU seconds of the slowest rank, all threads and
+    the calling one (a run without), of one trial, with this code or, in a child interpreter, the code at
+    ``checkout``."""
+    if checkout is not None:
+        spec = {"name": workload.name, "lengths": workload.lengths, "packed": workload.packed, "cp": cp, "mode": mode}
+        env = {**os.environ, "PYTHONPATH": str(checkout)}
+        command = [sys.executable, __file__, "--trial", json.dumps(spec)]
+        result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        if result.returncode:
+            raise RuntimeError(f"trial {spec} with {checkout} failed:\n{result.stderr[-3000:]}")
+        return json.loads(result.stdout.splitlines()[-1])
+    timing = launch(_shard_trial, cp, workload, mode, False, track_memory=False)
+    return {
+        "peak": max(rank["peak"] for rank in launch(_shard_trial, cp, workload, mode, True)),
+        "seconds": max(rank["seconds"] for rank in timing),
+        "thread": max(rank["thread"] for rank in timing),
+    }
+
+
+def efficiency_table(totals: Sequence[int], cps: Sequence[int], baseline: Path | None) -> str:
+    """Peak memory per rank against the ideal (single-process SDPA's peak / cp) and parallel efficiency (the slowest
+    rank's CPU seconds x cp / SDPA's CPU seconds for the same work), both modes, dense and packed."""
+    columns = "before -> after" if baseline else "value"
+    compared = (
+        f"; {columns}: the checkout {baseline} (the code before) and this one, config by config" if baseline else ""
+    )
+    lines = [
+        f"### memory and parallel efficiency against single-process SDPA (causal, Hq=Hkv={EFFICIENCY_HEADS}, "
+        f"D={HEAD_DIM}, float32, cpu_flash, gloo, 1 thread per rank, {os.cpu_count()} CPU cores shared by all ranks "
+        "and other work; one forward + backward after a small warm-up call, the batch's block plan built before. "
+        "peak = resident growth during the call (highest rank); memory = peak / (SDPA's peak over all the tokens / "
+        "cp), target <= 1.2; efficiency = the slowest rank's CPU seconds x cp / SDPA's CPU seconds for the same work "
+        "at one thread (packed: SDPA per document), target <= 1.1, counting all the rank's threads (compute and "
+        "gloo's copying through loopback sockets) or the compute thread alone; CPU time, not wall time, since the "
+        f"ranks share the cores){compared}",
+        "",
+        f"| workload | cp | mode | peak MiB per rank ({columns}) | memory ({columns}) | efficiency, all threads "
+        f"({columns}) | efficiency, compute thread ({columns}) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for total in totals:
+        for workload in workloads(total)[:2]:
+            (memory,) = launch(_sdpa_reference, 1, workload, True)
+            (timing,) = launch(_sdpa_reference, 1, workload, False, track_memory=False)
+            sdpa_peak, sdpa_seconds = memory["peak"], timing["seconds"]
+            lines.append(
+                f"| {workload.name} | SDPA | 1 process | {sdpa_peak:.0f} | 1.00 | 1.00 ({sdpa_seconds:.1f} s) | 1.00 |"
+            )
+            for cp in cps:
+                for mode in ("allgather", "ring"):
+                    runs = [_trial(workload, cp, mode, checkout) for checkout in ([baseline] if baseline else [])]
+                    runs.append(_trial(workload, cp, mode, None))
+                    cells = [
+                        [f"{run['peak']:.0f}" for run in runs],
+                        [f"{run['peak'] / (sdpa_peak / cp):.2f}" for run in runs],
+                        [f"{run['seconds'] * cp / sdpa_seconds:.2f}" for run in runs],
+                        [f"{run['thread'] * cp / sdpa_seconds:.2f}" for run in runs],
+                    ]
+                    lines.append(f"| {workload.name} | {cp} | {mode} | {' | '.join(' -> '.join(c) for c in cells)} |")
+    return "\n".join(lines)
+
+
 def rule_table() -> str:
     """Bytes per layer of each mode relative to all-gather for common GPU models, and what ``auto`` picks."""
     models = [
@@ -282,11 +409,14 @@ def _track_live_memory() -> None:
     libc.malloc_trim(0)
 
 
-def _rank_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+def _rank_entry(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, track_memory: bool
+) -> None:
     """Child process: join the gloo group, run ``fn`` and report its result (or the traceback)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    _track_live_memory()
+    if track_memory:
+        _track_live_memory()
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         queue.put((rank, fn(*args)))
@@ -297,15 +427,19 @@ def _rank_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple
             dist.destroy_process_group()
 
 
-def launch(fn: Callable, world_size: int, *args: Any) -> list[Any]:
-    """Fork ``world_size`` ranks in a gloo group, run ``fn(*args)`` on each and return their results in rank order."""
+def launch(fn: Callable, world_size: int, *args: Any, track_memory: bool = True) -> list[Any]:
+    """Fork ``world_size`` ranks in a gloo group, run ``fn(*args)`` on each and return their results in rank order.
+
+    ``track_memory``: resident memory follows live tensors (``_track_live_memory``); without it glibc keeps freed
+    memory for reuse, as in training, so many short-lived buffers cost no page faults (time runs).
+    """
     context = mp.get_context("fork")
     queue = context.Queue()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     processes = [
-        context.Process(target=_rank_entry, args=(rank, world_size, port, fn, args, queue))
+        context.Process(target=_rank_entry, args=(rank, world_size, port, fn, args, queue, track_memory))
         for rank in range(world_size)
     ]
     for process in processes:
@@ -319,25 +453,43 @@ def launch(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     return [results[rank] for rank in range(world_size)]
 
 
+def _run_trial(spec: str) -> None:
+    """``--trial``: measure one trial with whatever ``lightning_cp`` this interpreter imports; print JSON."""
+    fields = json.loads(spec)
+    workload = Workload(fields["name"], tuple(fields["lengths"]), fields["packed"])
+    print(json.dumps(_trial(workload, fields["cp"], fields["mode"], None)))
+
+
 def main() -> None:
-    """Run both benchmarks, print the tables and save them."""
+    """Run the benchmarks, print the tables and save them."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="small sizes and one repeat (about a minute)")
+    parser.add_argument("--quick", action="store_true", help="small sizes and one repeat (a few minutes)")
     parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--baseline", type=Path, help="another checkout: before/after memory and efficiency")
+    parser.add_argument("--efficiency-tokens", default="16384,32768", help="token counts of the efficiency table")
+    parser.add_argument("--only-efficiency", action="store_true", help="only the memory and efficiency table")
+    parser.add_argument("--trial", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    balance_tokens, modes_tokens, repeats = (8192, 2048, 2) if args.quick else (32768, 8192, 3)
     torch.set_num_threads(1)
-    _track_live_memory()
+    if args.trial:
+        _run_trial(args.trial)
+        return
+    balance_tokens, modes_tokens, repeats = (8192, 2048, 2) if args.quick else (32768, 8192, 3)
+    efficiency_tokens = [4096] if args.quick else [int(x) for x in args.efficiency_tokens.split(",")]
     started = time.perf_counter()
-    sections = [
-        balance_table(balance_tokens, 4, repeats),
-        modes_table(modes_tokens, (2, 4), repeats),
-        rule_table(),
-    ]
+    sections = (
+        []
+        if args.only_efficiency
+        else [balance_table(balance_tokens, 4, repeats), modes_table(modes_tokens, (2, 4), repeats)]
+    )
+    sections.append(efficiency_table(efficiency_tokens, (1, 2, 4), args.baseline))
+    if not args.only_efficiency:
+        sections.append(rule_table())
+    command = " ".join(["python", "benchmarks/attention_bench.py", *sys.argv[1:]])
     header = (
         f"## attention_bench{' --quick' if args.quick else ''}\n\n"
-        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, {platform.machine()}, "
-        f"{os.cpu_count()} CPU cores, {time.perf_counter() - started:.0f} s"
+        f"`{command}`: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
+        f"{platform.machine()}, {os.cpu_count()} CPU cores, {time.perf_counter() - started:.0f} s"
     )
     report = "\n\n".join([header, *sections]) + "\n"
     print(report)

@@ -52,7 +52,6 @@ from lightning_cp.core.zigzag import (
 logger = logging.getLogger("lightning_cp.core.attention.api")
 
 
-
 class AttentionMode(str, Enum):
     """How attention spans the CP ranks: K/V gathered at once (``allgather``), passed around the ring (``ring``), heads
     exchanged for the sequence (``ulysses``), or heads exchanged within groups and a ring across them (``hybrid``)."""
@@ -189,7 +188,8 @@ def non_finite_inputs(q: Any, k: Any, v: Any) -> tuple[str, ...]:
     named = [(name, x) for name, x in (("q", q), ("k", k), ("v", v)) if isinstance(x, Tensor) and x.is_floating_point()]
     if not named:
         return ()
-    flags = [all_finite(x) for _, x in named]
+    with torch.no_grad():  # a check, not part of the graph
+        flags = [all_finite(x) for _, x in named]
     finite = torch.stack([flag.to(flags[0].device) for flag in flags]).tolist()
     return tuple(name for (name, _), ok in zip(named, finite, strict=True) if not ok)
 
@@ -308,20 +308,22 @@ def context_parallel_attention(
     mode: str,
     kernel: BlockKernel,
 ) -> Tensor:
-    """Run CP attention for any sharding, given its block plan and local-to-half-major ``perm``; no validation."""
-    perm = None if perm is None else perm.to(q.device)
-    qi, ki, vi = (_to_internal(x, packed, perm) for x in (q, k, v))
-    if mode == "ring":
-        out = _RingAttention.apply(qi, ki, vi, plan, kernel, scale, cp_group)
-    else:
-        kv = torch.stack([ki, vi])
-        kv_all = kv.unsqueeze(0) if plan.cp == 1 else comm.all_gather_stack(kv, cp_group)
-        out = _GatheredAttention.apply(qi, kv_all, plan, kernel, scale)
-    return _from_internal(out, packed, perm)
+    """Run CP attention for any sharding, given its block plan and local-to-half-major ``perm``; no validation.
+
+    With no group but a plan over several ranks (one rank's work emulated in a single process), every rank's K/V
+    come from ``comm.all_gather_stack`` in half-major order, which the emulation provides.
+    """
+    if cp_group is None and plan.cp > 1:
+        perm = None if perm is None else perm.to(q.device)
+        qi, ki, vi = (_to_internal(x, packed, perm) for x in (q, k, v))
+        kv_all = comm.all_gather_stack(torch.stack([ki, vi]), cp_group)
+        return _from_internal(_GatheredAttention.apply(qi, kv_all, plan, kernel, scale), packed, perm)
+    exchange = _LocalKV() if plan.cp == 1 else _RingKV(cp_group) if mode == "ring" else _GatheredKV(cp_group)
+    return _ShardAttention.apply(q, k, v, plan, kernel, scale, exchange)
 
 
 def _to_internal(x: Tensor, packed: bool, perm: Tensor | None) -> Tensor:
-    """Bring ``[S, B, H, D]`` or ``[T, H, D]`` to the kernels' ``[B, H, S, D]`` in half-major token order."""
+    """Copy ``[S, B, H, D]`` or ``[T, H, D]`` to a contiguous ``[B, H, S, D]`` in half-major token order."""
     if not packed:
         return x.permute(1, 2, 0, 3).contiguous()
     if perm is not None:
@@ -337,15 +339,164 @@ def _from_internal(out: Tensor, packed: bool, perm: Tensor | None) -> Tensor:
     return (out if perm is None else out.index_select(0, torch.argsort(perm))).contiguous()
 
 
+def _heads_first(x: Tensor) -> Tensor:
+    """View ``[S, B, H, D]`` or ``[T, H, D]`` as the kernels' ``[B, H, S, D]`` (no copy; local token order)."""
+    return x.permute(1, 2, 0, 3) if x.dim() == 4 else x.permute(1, 0, 2).unsqueeze(0)
+
+
+class _ShardAttention(torch.autograd.Function):
+    """This rank's queries against every rank's K/V, keeping between forward and backward only what a flash-style
+    backward needs: the caller's q, k, v, the output and the log-sum-exp.
+
+    The forward takes each source's K/V whole from ``exchange``; the backward takes them again one key piece at a
+    time and sends each piece's dK/dV contribution towards its owner, so besides the gradients it holds a few
+    piece-sized buffers. Tensors stay in the caller's layout and token order (the plan's tiles address local rows).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, kernel, scale, exchange):  # type: ignore[override]
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        acc = accumulation_dtype(q.dtype)
+        out = q.new_zeros(q.shape, dtype=acc)
+        heads, queries = _heads_first(out), _heads_first(q)
+        lse = q.new_full(heads.shape[:3], -math.inf, dtype=acc)
+
+        def visit(src: int, k_src: Tensor, v_src: Tensor) -> None:
+            keys, values = _heads_first(k_src), _heads_first(v_src)
+            forward_source(heads, lse, queries, keys, values, plan.tiles[src], kernel, scale)
+
+        exchange.sources(k, v, visit)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.kernel, ctx.scale, ctx.exchange = plan, kernel, scale, exchange
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, acc = ctx.plan, accumulation_dtype(q.dtype)
+        dq, dk, dv = (x.new_zeros(x.shape, dtype=acc) for x in (q, k, v))
+        dq_heads, tensors = _heads_first(dq), (_heads_first(dout), _heads_first(q), _heads_first(out), lse)
+
+        def visit(src: int, piece: int, k_piece: Tensor, v_piece: Tensor, dk_piece: Tensor, dv_piece: Tensor) -> None:
+            grads = (dq_heads, _heads_first(dk_piece), _heads_first(dv_piece))
+            blocks = plan.piece_tiles[src][piece]
+            backward_source(grads, tensors, _heads_first(k_piece), _heads_first(v_piece), blocks, ctx.kernel, ctx.scale)
+
+        ctx.exchange.pieces(k, v, (dk, dv), plan.pieces, visit)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+SourceVisit = Callable[[int, Tensor, Tensor], None]
+PieceVisit = Callable[[int, int, Tensor, Tensor, Tensor, Tensor], None]
+
+
+class _LocalKV:
+    """One rank: its own K/V are the only source, and their pieces are views."""
+
+    def sources(self, k: Tensor, v: Tensor, visit: SourceVisit) -> None:
+        """Call ``visit(src, k, v)`` for every source."""
+        visit(0, k, v)
+
+    def pieces(self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice], visit: PieceVisit):
+        """Call ``visit(src, piece, k_piece, v_piece, dk_piece, dv_piece)`` for every source's every key piece; the
+        dK/dV each call adds in place end up summed in ``grads`` (this rank's dK, dV, accumulation dtype)."""
+        for index, rows in enumerate(pieces):
+            visit(0, index, k[rows], v[rows], grads[0][rows], grads[1][rows])
+
+
+class _GatheredKV(_LocalKV):
+    """``allgather``: each source's K/V broadcast by its owner, whole in the forward and one piece at a time in the
+    backward (the next one already on its way), and each piece's dK/dV summed onto its owner: a rank holds at most
+    two sources' (or pieces') K/V at a time, never the whole gathered sequence."""
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group, self.rank, self.cp = group, comm.group_rank(group), comm.group_size(group)
+
+    def _fetch(self, src: int, k: Tensor, v: Tensor, rows: slice) -> comm.Transfer:
+        """Start the broadcast of source ``src``'s K/V rows ``rows``, stacked ``[2, rows, ...]``."""
+        buffer = torch.stack([k[rows], v[rows]]) if src == self.rank else k.new_empty((2, *k[rows].shape))
+        return comm.broadcast_from(buffer, src, self.group)
+
+    def sources(self, k: Tensor, v: Tensor, visit: SourceVisit) -> None:
+        whole = slice(0, k.shape[0])
+        pending = self._fetch(0, k, v, whole)
+        for src in range(self.cp):
+            kv = pending.wait()
+            pending = self._fetch(src + 1, k, v, whole) if src + 1 < self.cp else None
+            visit(src, kv[0], kv[1])
+
+    def pieces(self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice], visit: PieceVisit):
+        items = [(src, index) for src in range(self.cp) for index in range(len(pieces))]
+        pending, summing = self._fetch(0, k, v, pieces[0]), None
+        for position, (src, index) in enumerate(items):
+            kv = pending.wait()
+            if position + 1 < len(items):
+                following = items[position + 1]
+                pending = self._fetch(following[0], k, v, pieces[following[1]])
+            self._land(summing, grads)
+            summing = self._contribute(src, index, pieces[index], kv, grads[0].dtype, visit)
+        self._land(summing, grads)
+
+    def _contribute(
+        self, src: int, index: int, rows: slice, kv: Tensor, dtype: torch.dtype, visit: PieceVisit
+    ) -> tuple[int, slice, comm.Transfer]:
+        """Compute this rank's dK/dV for one piece and start summing it onto the owner (in the inputs' dtype)."""
+        partial = kv.new_zeros(kv.shape, dtype=dtype)
+        visit(src, index, kv[0], kv[1], partial[0], partial[1])
+        return src, rows, comm.reduce_sum_to(partial.to(kv.dtype), src, self.group)
+
+    def _land(self, summing: tuple[int, slice, comm.Transfer] | None, grads: tuple[Tensor, Tensor]) -> None:
+        """Wait for a piece's sum; its owner keeps it."""
+        if summing is None:
+            return
+        src, rows, transfer = summing
+        total = transfer.wait()
+        if src == self.rank:
+            grads[0][rows].copy_(total[0])
+            grads[1][rows].copy_(total[1])
+
+
+class _RingKV(_LocalKV):
+    """``ring``: K/V passed to the next rank while the current source computes (two buffers); in the backward each
+    key piece goes round the ring, its dK/dV travelling with it (accumulation dtype) and arriving home complete."""
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group, self.rank, self.cp = group, comm.group_rank(group), comm.group_size(group)
+
+    def sources(self, k: Tensor, v: Tensor, visit: SourceVisit) -> None:
+        kv = torch.stack([k, v])
+        for step in range(self.cp):
+            transfer = comm.ring_shift(kv, self.group, _RING_KV_TAG) if step < self.cp - 1 else None
+            visit((self.rank - step) % self.cp, kv[0], kv[1])
+            if transfer is not None:
+                kv = transfer.wait()
+
+    def pieces(self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice], visit: PieceVisit):
+        for index, rows in enumerate(pieces):
+            kv, incoming = torch.stack([k[rows], v[rows]]), None
+            for step in range(self.cp):
+                transfer = comm.ring_shift(kv, self.group, _RING_BACKWARD_KV_TAG) if step < self.cp - 1 else None
+                dkv = kv.new_zeros(kv.shape, dtype=grads[0].dtype) if incoming is None else incoming.wait()
+                visit((self.rank - step) % self.cp, index, kv[0], kv[1], dkv[0], dkv[1])
+                incoming = comm.ring_shift(dkv, self.group, _RING_DKV_TAG)
+                if transfer is not None:
+                    kv = transfer.wait()
+            own = incoming.wait()
+            grads[0][rows].copy_(own[0])
+            grads[1][rows].copy_(own[1])
+
+
 class _GatheredAttention(torch.autograd.Function):
-    """Local queries against every rank's gathered K/V ``[cp, 2, B, Hkv, T, D]``; the gather's backward sums dK/dV."""
+    """Local half-major queries ``[B, Hq, S, D]`` against every rank's K/V given at once ``[cp, 2, B, Hkv, S, D]``
+    (single-process emulation and tests); the gradient of that stack holds every source's dK/dV."""
 
     @staticmethod
     def forward(ctx, q, kv_all, plan, kernel, scale):  # type: ignore[override]
-        acc = new_accumulator(q)
+        out, lse = new_accumulator(q)
         for src in range(plan.cp):
-            forward_source(acc, q, kv_all[src, 0], kv_all[src, 1], plan.blocks[src], kernel, scale)
-        out, lse = acc[0].to(q.dtype), acc[1]
+            forward_source(out, lse, q, kv_all[src, 0], kv_all[src, 1], plan.blocks[src], kernel, scale)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, kv_all, out, lse)
         ctx.plan, ctx.kernel, ctx.scale = plan, kernel, scale
         return out
@@ -353,54 +504,14 @@ class _GatheredAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         q, kv_all, out, lse = ctx.saved_tensors
-        dq = torch.zeros_like(q, dtype=accumulation_dtype(q.dtype))
-        tensors, plan = (dout, q, out, lse), ctx.plan
-        dkv_all = torch.stack(
-            [
-                backward_source(dq, tensors, kv_all[src, 0], kv_all[src, 1], plan.blocks[src], ctx.kernel, ctx.scale)
-                for src in range(plan.cp)
-            ]
-        )
+        acc = accumulation_dtype(q.dtype)
+        dq, dkv_all = torch.zeros_like(q, dtype=acc), torch.zeros_like(kv_all, dtype=acc)
+        for src in range(ctx.plan.cp):
+            grads = (dq, dkv_all[src, 0], dkv_all[src, 1])
+            backward_source(
+                grads, (dout, q, out, lse), kv_all[src, 0], kv_all[src, 1], ctx.plan.blocks[src], ctx.kernel, ctx.scale
+            )
         return dq.to(q.dtype), dkv_all.to(kv_all.dtype), None, None, None
-
-
-class _RingAttention(torch.autograd.Function):
-    """Ring attention: K/V travel to the next rank while the current block computes; dK/dV travel back home."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, plan, kernel, scale, group):  # type: ignore[override]
-        acc = new_accumulator(q)
-        kv = torch.stack([k, v])
-        for step in range(plan.cp):
-            transfer = comm.ring_shift(kv, group, _RING_KV_TAG) if step < plan.cp - 1 else None
-            src = (plan.rank - step) % plan.cp
-            forward_source(acc, q, kv[0], kv[1], plan.blocks[src], kernel, scale)
-            if transfer is not None:
-                kv = transfer.wait()
-        out, lse = acc[0].to(q.dtype), acc[1]
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.kernel, ctx.scale, ctx.group = plan, kernel, scale, group
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        plan, cp = ctx.plan, ctx.plan.cp
-        dq = torch.zeros_like(q, dtype=accumulation_dtype(q.dtype))
-        kv, dkv_transfer = torch.stack([k, v]), None
-        for step in range(cp):
-            transfer = comm.ring_shift(kv, ctx.group, _RING_BACKWARD_KV_TAG) if step < cp - 1 else None
-            src = (plan.rank - step) % cp
-            dkv = backward_source(dq, (dout, q, out, lse), kv[0], kv[1], plan.blocks[src], ctx.kernel, ctx.scale)
-            if dkv_transfer is not None:
-                dkv += dkv_transfer.wait()
-            if cp > 1:
-                dkv_transfer = comm.ring_shift(dkv, ctx.group, _RING_DKV_TAG)
-            if transfer is not None:
-                kv = transfer.wait()
-        if dkv_transfer is not None:
-            dkv = dkv_transfer.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def _flash_attention(

@@ -1,8 +1,12 @@
 """Local attention for CP: the block plan (which query rows meet which key rows) and the kernels that run it.
 
 A rank's tokens are described by document id and position (``RankTokens``, half-major order); ``build_block_plan``
-cuts the local-queries x source-keys product into blocks of whole documents and leaves out empty ones.
-``forward_source``/``backward_source`` run one source rank's blocks with a ``BlockKernel`` and merge by log-sum-exp.
+cuts the local-queries x source-keys product into blocks of whole documents and leaves out empty ones, then cuts
+those into tiles addressed in the ranks' *local* token order, so the attention runs on the caller's tensors without
+reordering copies. A tile spans at most ``tile_rows`` rows (1/16 of a rank's rows by default), which bounds every
+buffer the kernels allocate per call; the backward also takes keys one tile-sized piece at a time.
+``forward_source``/``backward_source`` run one source rank's blocks or tiles with a ``BlockKernel``, merging the
+forward by log-sum-exp and accumulating gradients in place.
 
 Every kernel takes ``q`` ``[B, Hq, Sq, D]``, ``k``/``v`` ``[B, Hkv, Sk, D]`` (``Hq`` a multiple of ``Hkv``), a
 boolean ``mask`` ``[Sq, Sk]`` (``True``: the query sees the key; ``None``: it sees every key) and ``causal`` (a square
@@ -26,6 +30,8 @@ from lightning_cp.core.zigzag import RankTokens
 
 _NEG_INF = -math.inf
 _MIN_GROUP_ROWS = 64
+_TILES_PER_RANK = 16
+_MIN_TILE_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -169,6 +175,8 @@ def cpu_flash_backward(
         attn_mask=_additive_mask(mask, q.dtype),
         scale=scale,
     )
+    if groups == 1:
+        return dq, dk, dv
     return dq, _grouped(dk, kv_heads).sum(2), _grouped(dv, kv_heads).sum(2)
 
 
@@ -188,40 +196,63 @@ def flash_attn_varlen_func() -> Callable[..., Tensor] | None:
 
 @dataclass(frozen=True)
 class Block:
-    """Local query rows x source key rows (half-major order) that attend.
+    """Local query rows x source key rows that attend: a slice, or an index tensor where the rows are not adjacent.
 
     Every pair attends unless ``mask`` (boolean ``[rows, cols]``) says otherwise or ``causal`` makes the square block
-    lower-triangular.
+    lower-triangular. Plan blocks (``BlockPlan.blocks``) are slices in half-major order; tiles are in local order.
     """
 
-    rows: slice
-    cols: slice
+    rows: slice | Tensor
+    cols: slice | Tensor
     mask: Tensor | None = None
     causal: bool = False
 
 
 @dataclass(frozen=True)
 class BlockPlan:
-    """The blocks one rank computes: ``blocks[src]`` against source rank ``src``'s keys, empty ones left out."""
+    """The blocks one rank computes against each source rank's keys, empty ones left out, in two forms.
+
+    ``blocks[src]``: whole document blocks, half-major order (work accounting, and attention on half-major copies).
+    ``tiles[src]``: the same pairs in local order, rows cut into tiles (causal blocks' columns too): the forward.
+    ``pieces``: the key pieces every source's local rows are cut into; ``piece_tiles[src][j]``: the tiles meeting
+    piece ``j`` of source ``src``, columns relative to the piece start: the backward.
+    """
 
     cp: int
     rank: int
     blocks: tuple[tuple[Block, ...], ...]
+    tiles: tuple[tuple[Block, ...], ...]
+    pieces: tuple[slice, ...]
+    piece_tiles: tuple[tuple[tuple[Block, ...], ...], ...]
 
 
-def build_block_plan(tokens: Sequence[RankTokens], rank: int, causal: bool, device: torch.device) -> BlockPlan:
-    """Find, per source rank and (query half, key half), the document-group sub-blocks with a visible pair."""
+def tile_rows(local_rows: int) -> int:
+    """Rows per tile for a rank holding ``local_rows`` rows: 1/16 of them, at least 256, so the backward's piece
+    buffers and per-call kernel outputs stay a fraction of the rank's own tensors."""
+    return max(_MIN_TILE_ROWS, -(-local_rows // _TILES_PER_RANK))
+
+
+def build_block_plan(
+    tokens: Sequence[RankTokens], rank: int, causal: bool, device: torch.device, tile: int | None = None
+) -> BlockPlan:
+    """Find, per source rank and (query half, key half), the document-group sub-blocks with a visible pair, and cut
+    them into tiles of at most ``tile`` rows (default ``tile_rows``) in local order."""
     half = tokens[rank].doc.shape[0] // 2
+    tile = tile or tile_rows(2 * half)
     documents = max((int(t.doc.max()) for t in tokens if t.doc.numel()), default=-1) + 1
-    blocks = []
+    blocks, tiles, piece_tiles = [], [], []
     for source in tokens:
         source_blocks: list[Block] = []
         for q_half, query in enumerate(halves(tokens[rank])):
             for k_half, key in enumerate(halves(source)):
                 for block in _document_blocks(query, key, causal, documents):
-                    source_blocks.append(_placed(block, q_half * half, k_half * half, device))
-        blocks.append(tuple(source_blocks))
-    return BlockPlan(len(tokens), rank, tuple(blocks))
+                    source_blocks.append(_shifted(block, q_half * half, k_half * half))
+        forward, backward = _tiled(source_blocks, tokens[rank].perm, source.perm, tile, 2 * half)
+        blocks.append(tuple(_on_device(block, device) for block in source_blocks))
+        tiles.append(tuple(_on_device(block, device) for block in forward))
+        piece_tiles.append(tuple(tuple(_on_device(block, device) for block in piece) for piece in backward))
+    pieces = tuple(slice(start, min(start + tile, 2 * half)) for start in range(0, 2 * half, tile))
+    return BlockPlan(len(tokens), rank, tuple(blocks), tuple(tiles), pieces, tuple(piece_tiles))
 
 
 @dataclass(frozen=True)
@@ -308,11 +339,84 @@ def _masked_block(
     return Block(rows, cols, None if bool(mask.all()) else mask)
 
 
-def _placed(block: Block, row_offset: int, col_offset: int, device: torch.device) -> Block:
-    """Shift a half-relative block to half-major rows and columns and move its mask to ``device``."""
+def _shifted(block: Block, row_offset: int, col_offset: int) -> Block:
+    """Shift a half-relative block to half-major rows and columns."""
     rows = slice(block.rows.start + row_offset, block.rows.stop + row_offset)
     cols = slice(block.cols.start + col_offset, block.cols.stop + col_offset)
+    return Block(rows, cols, block.mask, block.causal)
+
+
+def _on_device(block: Block, device: torch.device) -> Block:
+    """Move a block's mask and index tensors to ``device``."""
+    rows, cols = (index if isinstance(index, slice) else index.to(device) for index in (block.rows, block.cols))
     return Block(rows, cols, None if block.mask is None else block.mask.to(device), block.causal)
+
+
+def _tiled(
+    blocks: Sequence[Block], row_perm: Tensor | None, col_perm: Tensor | None, tile: int, local: int
+) -> tuple[list[Block], list[list[Block]]]:
+    """Cut one source's half-major blocks into local-order tiles: the forward's (rows cut at multiples of ``tile``,
+    columns whole except where a causal block's diagonal needs them cut) and, per key piece, the backward's (rows and
+    columns cut, columns relative to the piece)."""
+    forward: list[Block] = []
+    backward: list[list[Block]] = [[] for _ in range(-(-local // tile))]
+    for block in blocks:
+        rows, cols = _local_rows(block.rows, row_perm), _local_rows(block.cols, col_perm)
+        col_groups = _tile_groups(cols, tile)
+        for _, i in _tile_groups(rows, tile):
+            for j in _forward_columns(block, i, cols.numel()):
+                forward += _sub_block(block, rows, cols, i, j, 0)
+            for piece, j in col_groups:
+                backward[piece] += _sub_block(block, rows, cols, i, j, piece * tile)
+    return forward, backward
+
+
+def _local_rows(rows: slice, perm: Tensor | None) -> Tensor:
+    """The local rows of a half-major slice, in half-major order (``half_major = local[perm]``)."""
+    positions = torch.arange(rows.start, rows.stop)
+    return positions if perm is None else perm[positions]
+
+
+def _tile_groups(local: Tensor, tile: int) -> list[tuple[int, Tensor]]:
+    """Group a block's rows by the tile their local row falls in: (tile number, positions within the block)."""
+    ids = torch.div(local, tile, rounding_mode="floor")
+    return [(int(t), torch.nonzero(ids == t).squeeze(1)) for t in torch.unique(ids)]
+
+
+def _forward_columns(block: Block, i: Tensor, count: int) -> list[Tensor]:
+    """The column groups the forward pairs with rows ``i``: all columns at once, or for a causal block those before
+    the rows (fully visible) and those beside them (the diagonal)."""
+    if not block.causal:
+        return [torch.arange(count)]
+    first, last = int(i.min()), int(i.max())
+    return [j for j in (torch.arange(0, first), torch.arange(first, last + 1)) if j.numel()]
+
+
+def _sub_block(block: Block, rows: Tensor, cols: Tensor, i: Tensor, j: Tensor, col_offset: int) -> list[Block]:
+    """Positions ``i`` x ``j`` of ``block`` as a tile in local order (columns less ``col_offset``), or none if no pair
+    there attends."""
+    mask, causal = None, False
+    if block.causal:  # query i sees key j iff j <= i, positions within the block
+        if torch.equal(i, j):
+            causal = True
+        elif int(i.min()) < int(j.max()):
+            if int(i.max()) < int(j.min()):
+                return []
+            mask = j.unsqueeze(0) <= i.unsqueeze(1)
+    elif block.mask is not None:
+        mask = block.mask[i][:, j]
+        if not bool(mask.any()):
+            return []
+        mask = None if bool(mask.all()) else mask
+    return [Block(_as_index(rows[i]), _as_index(cols[j] - col_offset), mask, causal)]
+
+
+def _as_index(local: Tensor) -> slice | Tensor:
+    """A slice for increasing adjacent rows, else the index tensor itself."""
+    count = local.numel()
+    if count and int(local[-1]) - int(local[0]) == count - 1 and bool((local[1:] > local[:-1]).all()):
+        return slice(int(local[0]), int(local[-1]) + 1)
+    return local
 
 
 def halves(tokens: RankTokens) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
@@ -327,22 +431,38 @@ def _visible(q_doc: Tensor, q_pos: Tensor, k_doc: Tensor, k_pos: Tensor, causal:
     return mask & (k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)) if causal else mask
 
 
-def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tensor]:
-    """Combine two partial softmax results by their log-sum-exp; rows empty in both stay zero."""
+def _take(x: Tensor, index: slice | Tensor) -> Tensor:
+    """Rows ``index`` of a ``[B, H, S, ...]`` tensor: a view for a slice, a copy for an index tensor."""
+    return x[:, :, index] if isinstance(index, slice) else x.index_select(2, index)
+
+
+def _add_into(x: Tensor, index: slice | Tensor, value: Tensor) -> None:
+    """Add ``value`` to rows ``index`` of ``x`` in place."""
+    if isinstance(index, slice):
+        x[:, :, index].add_(value)
+    else:
+        x.index_add_(2, index, value.to(x.dtype))
+
+
+def _merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
+    """Combine a block's partial softmax result into ``out``/``lse`` in place by log-sum-exp; rows empty in both stay
+    zero. ``block_out`` is scratch."""
     merged = torch.logaddexp(lse, block_lse)
     safe = finite_lse(merged)
-    out = out * torch.exp(lse - safe).unsqueeze(-1) + block_out * torch.exp(block_lse - safe).unsqueeze(-1)
-    return out, merged
+    out.mul_(torch.exp(lse - safe).unsqueeze(-1))
+    out.add_(block_out.to(out.dtype).mul_(torch.exp(block_lse - safe).unsqueeze(-1)))
+    lse.copy_(merged)
 
 
 def new_accumulator(q: Tensor) -> tuple[Tensor, Tensor]:
-    """Empty partial results: output 0 and log-sum-exp ``-inf`` for every query row."""
+    """Empty partial results for ``[B, H, S, D]`` queries: output 0 and log-sum-exp ``-inf`` for every row."""
     acc = accumulation_dtype(q.dtype)
     return q.new_zeros(q.shape, dtype=acc), q.new_full(q.shape[:3], -math.inf, dtype=acc)
 
 
 def forward_source(
-    acc: tuple[Tensor, Tensor],
+    out: Tensor,
+    lse: Tensor,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -350,34 +470,61 @@ def forward_source(
     kernel: BlockKernel,
     scale: float,
 ) -> None:
-    """Attend the local queries to one source rank's K/V block by block, merging into ``acc`` in place."""
-    out, lse = acc
+    """Attend the ``[B, H, S, D]`` queries to one source's K/V block by block, merging into ``out``/``lse`` in
+    place (``out`` in the accumulation dtype)."""
     for block in blocks:
-        rows, cols = block.rows, block.cols
-        queries, keys, values = q[:, :, rows], k[:, :, cols], v[:, :, cols]
-        block_out, block_lse = kernel.forward(queries, keys, values, block.mask, block.causal, scale)
-        out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+        _forward_block(out, lse, q, k, v, block, kernel, scale)
+
+
+def _forward_block(
+    out: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor, block: Block, kernel: BlockKernel, scale: float
+) -> None:
+    """One block of ``forward_source`` (its own function, so the kernel's outputs are freed before the next call)."""
+    rows, cols = block.rows, block.cols
+    block_out, block_lse = kernel.forward(
+        _take(q, rows), _take(k, cols), _take(v, cols), block.mask, block.causal, scale
+    )
+    if isinstance(rows, slice):
+        _merge_into(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+    else:
+        out_rows, lse_rows = out.index_select(2, rows), lse.index_select(2, rows)
+        _merge_into(out_rows, lse_rows, block_out, block_lse)
+        out.index_copy_(2, rows, out_rows)
+        lse.index_copy_(2, rows, lse_rows)
 
 
 def backward_source(
-    dq: Tensor,
+    grads: tuple[Tensor, Tensor, Tensor],
     tensors: tuple[Tensor, Tensor, Tensor, Tensor],
     k: Tensor,
     v: Tensor,
     blocks: Sequence[Block],
     kernel: BlockKernel,
     scale: float,
-) -> Tensor:
-    """Add one source rank's blocks to ``dq`` and return that source's stacked ``[dK, dV]`` contribution."""
-    dout, q, out, lse = tensors
-    dkv = k.new_zeros((2, *k.shape), dtype=dq.dtype)
+) -> None:
+    """Add one source's blocks to ``grads`` = (dQ, dK, dV) in place, given ``tensors`` = (dout, q, out, lse) of the
+    local queries; dK/dV are the source's (or its piece's, with the blocks' columns relative to it)."""
     for block in blocks:
-        rows, cols = block.rows, block.cols
-        gq, gk, gv = kernel.backward(
-            dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows], lse[:, :, rows],
-            block.mask, block.causal, scale,
-        )  # fmt: skip
-        dq[:, :, rows] += gq
-        dkv[0, :, :, cols] += gk
-        dkv[1, :, :, cols] += gv
-    return dkv
+        _backward_block(grads, tensors, k, v, block, kernel, scale)
+
+
+def _backward_block(
+    grads: tuple[Tensor, Tensor, Tensor],
+    tensors: tuple[Tensor, Tensor, Tensor, Tensor],
+    k: Tensor,
+    v: Tensor,
+    block: Block,
+    kernel: BlockKernel,
+    scale: float,
+) -> None:
+    """One block of ``backward_source`` (its own function, so the kernel's gradients are freed before the next call)."""
+    dq, dk, dv = grads
+    dout, q, out, lse = tensors
+    rows, cols = block.rows, block.cols
+    gq, gk, gv = kernel.backward(
+        _take(dout, rows), _take(q, rows), _take(k, cols), _take(v, cols), _take(out, rows), _take(lse, rows),
+        block.mask, block.causal, scale,
+    )  # fmt: skip
+    _add_into(dq, rows, gq)
+    _add_into(dk, cols, gk)
+    _add_into(dv, cols, gv)

@@ -1,0 +1,99 @@
+"""What CP attention keeps and moves: the forward saves only the local tensors a flash-style backward needs, the
+backward moves K/V and dK/dV one piece at a time, and results stay exact when tiles cut documents, causal
+diagonals and document groups."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_cp.core import comm, zigzag
+from lightning_cp.core.attention import api as attention
+from lightning_cp.core.attention import kernels
+from lightning_cp.core.attention.api import zigzag_attention
+from tests.attention_helpers import packed_params
+from tests.distributed_harness import run_on_ranks
+from tests.test_attention import _check_all_cases, all_cases
+
+TILES_PER_RANK = 4
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles of a quarter of a rank's rows however few there are (plans built afresh, also in forked ranks)."""
+    monkeypatch.setattr(kernels, "_MIN_TILE_ROWS", 1)
+    monkeypatch.setattr(kernels, "_TILES_PER_RANK", TILES_PER_RANK)
+    attention._block_plan.cache_clear()
+    yield
+    attention._block_plan.cache_clear()
+
+
+def test_small_tiles_cut_blocks_every_way(small_tiles):
+    lengths = [1, 5, 3, 40, 2, 2, 17]
+    tokens = zigzag.ZigzagGeometry.packed(2, lengths).rank_tokens
+    plan = kernels.build_block_plan(tokens, 0, True, torch.device("cpu"))
+    tiles = [tile for source in plan.tiles for tile in source]
+    pieces = [tile for source in plan.piece_tiles for piece in source for tile in piece]
+    assert len(plan.pieces) == TILES_PER_RANK
+    assert len(tiles) > sum(map(len, plan.blocks)) and len(pieces) > len(tiles)
+    assert any(isinstance(tile.rows, torch.Tensor) for tile in tiles), "document groups address scattered rows"
+    assert any(tile.causal for tile in pieces) and any(tile.mask is not None for tile in pieces)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3])
+def test_small_tiles_match_the_single_device_reference(cp, small_tiles):
+    outcomes = run_on_ranks(_check_all_cases, cp, all_cases(), timeout=240)
+    failures = [failure for rank_failures in outcomes for failure in rank_failures]
+    assert not failures, "\n".join(failures)
+
+
+def _kept_and_moved(mode: str, packed: bool) -> tuple[int, int, list[int], list[int], int, int]:
+    """Rank body: bytes the forward saves besides the caller's q, k, v; bytes of the output and its log-sum-exp;
+    rows of every K/V (or dK/dV) transfer in the forward and in the backward; this rank's rows; the tile rows."""
+    cp, heads, dim = dist.get_world_size(), 4, 8
+    lengths = [64 * cp, 3, 29 * cp]
+    params = packed_params(lengths, cp) if packed else None
+    rows = sum(-(-length // (2 * cp)) * 2 * cp for length in lengths) // cp if packed else 64
+    shape = (rows, heads, dim) if packed else (rows, 2, heads, dim)
+    torch.manual_seed(dist.get_rank())
+    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+    saved: list[torch.Tensor] = []
+    moved: dict[str, list[int]] = {"forward": [], "backward": []}
+    phase = ["forward"]
+
+    def recording(fn):
+        @functools.wraps(fn)
+        def wrapped(tensor, *args, **kwargs):
+            moved[phase[0]].append(tensor.shape[1])  # every transfer is a [2, rows, ...] stack of K/V or dK/dV
+            return fn(tensor, *args, **kwargs)
+
+        return wrapped
+
+    originals = {name: getattr(comm, name) for name in ("broadcast_from", "reduce_sum_to", "ring_shift")}
+    for name, fn in originals.items():
+        setattr(comm, name, recording(fn))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = zigzag_attention(q, k, v, dist.group.WORLD, packed_seq_params=params, mode=mode)
+        phase[0] = "backward"
+        out.backward(torch.randn_like(out))
+    finally:
+        for name, fn in originals.items():
+            setattr(comm, name, fn)
+    inputs = {x.data_ptr() for x in (q, k, v)}
+    extra = sum(t.numel() * t.element_size() for t in saved if t.data_ptr() not in inputs)
+    own = out.numel() * out.element_size() + out.numel() // dim * 4
+    return extra, own, moved["forward"], moved["backward"], rows, -(-rows // TILES_PER_RANK)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("mode", ["allgather", "ring"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_backward_keeps_local_tensors_and_moves_pieces(cp, mode, packed, small_tiles):
+    for extra, own, forward, backward, rows, tile in run_on_ranks(_kept_and_moved, cp, mode, packed, timeout=120):
+        assert extra <= own, f"the forward saved {extra} bytes besides q, k, v; out + lse are {own}"
+        assert forward and set(forward) == {rows}, f"forward transfers carry whole shards: {forward}"
+        assert backward and max(backward) <= tile < rows, f"backward transfers of {backward} rows; tile {tile}"
