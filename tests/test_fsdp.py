@@ -168,10 +168,11 @@ def reference(batch_kind: str, order: tuple[int, ...], accumulate: int) -> dict[
 
 
 @cache
-def launch(world_size: int) -> list[list[dict[str, Any]]]:
-    """Fork the ranks once per world size and run all of its fits; indexed ``[rank][fit]``."""
-    fits = [fit for fit in FITS if fit.world_size == world_size]
-    return run_on_ranks(fit_on_rank, world_size, world_size, fits, init_process_group=False, timeout=300)
+def launch(name: str) -> list[dict[str, Any]]:
+    """Fork the ranks of one fit (once, whichever test asks first); one result per rank."""
+    run = FITS_BY_NAME[name]
+    per_rank = run_on_ranks(fit_on_rank, run.world_size, run.world_size, [run], init_process_group=False, timeout=240)
+    return [results[0] for results in per_rank]
 
 
 @cache
@@ -180,18 +181,11 @@ def reference_run(batch_kind: str, order: tuple[int, ...], accumulate: int) -> d
     return run_on_ranks(reference, 1, batch_kind, order, accumulate, init_process_group=False, timeout=120)[0]
 
 
-def result_of(name: str) -> list[dict[str, Any]]:
-    """Return every rank's result of the named fit."""
-    run = FITS_BY_NAME[name]
-    index = [fit for fit in FITS if fit.world_size == run.world_size].index(run)
-    return [rank_results[index] for rank_results in launch(run.world_size)]
-
-
 @pytest.mark.parametrize("name", list(FITS_BY_NAME))
 def test_training_matches_one_device(name: str) -> None:
     """Losses of every rank and rank 0's gathered weights equal one device's (float64, relative 1e-9)."""
     run = FITS_BY_NAME[name]
-    per_rank = result_of(name)
+    per_rank = launch(name)
     by_replica = {result["dp_rank"]: result["indices"] for result in per_rank}
     assert sorted(by_replica) == list(range(run.replicas))
     micro_batches = STEPS * run.accumulate
@@ -217,7 +211,7 @@ def test_model_state_per_rank_is_the_whole_over_dp_times_cp(name: str) -> None:
     (FSDP pads each parameter to a multiple of the ranks); under ddp every rank holds the whole."""
     run = FITS_BY_NAME[name]
     shards = run.world_size if run.strategy.get("data_parallel") == "fsdp" else 1
-    for result in result_of(name):
+    for result in launch(name):
         whole, block = result["whole_model_bytes"], result["whole_block_bytes"]
         assert abs(result["model_state_bytes"] - whole / shards) <= block, (name, result["model_state_bytes"], whole)
 
