@@ -18,14 +18,16 @@ from tests.attention_helpers import packed_params
 from tests.distributed_harness import run_on_ranks
 from tests.test_attention import _check_all_cases, all_cases
 
-TILES_PER_RANK = 4
+TILES_PER_RANK = 8
 
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """Tiles of a quarter of a rank's rows however few there are (plans built afresh, also in forked ranks)."""
+    """Backward tiles of an eighth of a rank's rows however few there are, forward tiles of a quarter (plans built
+    afresh, also in forked ranks)."""
     monkeypatch.setattr(kernels, "_MIN_TILE_ROWS", 1)
     monkeypatch.setattr(kernels, "_TILES_PER_RANK", TILES_PER_RANK)
+    monkeypatch.setattr(kernels, "_FORWARD_TILES", 2)
     attention._block_plan.cache_clear()
     yield
     attention._block_plan.cache_clear()
@@ -37,10 +39,20 @@ def test_small_tiles_cut_blocks_every_way(small_tiles):
     plan = kernels.build_block_plan(tokens, 0, True, torch.device("cpu"))
     tiles = [tile for source in plan.tiles for tile in source]
     pieces = [tile for source in plan.piece_tiles for piece in source for tile in piece]
-    assert len(plan.pieces) == TILES_PER_RANK
+    rows = tokens[0].doc.shape[0]
+    tile = -(-rows // TILES_PER_RANK)
+    assert [(piece.start, piece.stop) for piece in plan.pieces] == [
+        (s, min(s + tile, rows)) for s in range(0, rows, tile)
+    ]
     assert len(tiles) > sum(map(len, plan.blocks)) and len(pieces) > len(tiles)
     assert any(isinstance(tile.rows, torch.Tensor) for tile in tiles), "document groups address scattered rows"
     assert any(tile.causal for tile in pieces) and any(tile.mask is not None for tile in pieces)
+    dense = kernels.build_block_plan(zigzag.ZigzagGeometry.dense(1, 64).rank_tokens, 0, True, torch.device("cpu"))
+    assert [(tile.rows, tile.cols, tile.causal) for tile in dense.tiles[0][:3]] == [
+        (slice(0, 16), slice(0, 16), True),
+        (slice(16, 32), slice(0, 16), False),
+        (slice(16, 32), slice(16, 32), True),
+    ], "a causal block's forward tiles: the diagonal, then the columns before it"
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3])

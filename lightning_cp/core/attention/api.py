@@ -1,11 +1,15 @@
 """Context-parallel attention on zigzag shards, dense or packed, exact versus single-device attention.
 
-Each CP rank holds chunks ``r`` and ``2cp-1-r`` of every sequence (``lightning_cp.core.zigzag``). Internally the
-local tokens are reordered "half-major" (chunk ``r`` of every sequence, then chunk ``2cp-1-r``), so each rank's keys
+Each CP rank holds chunks ``r`` and ``2cp-1-r`` of every sequence (``lightning_cp.core.zigzag``). The block plan
+orders a rank's tokens "half-major" (chunk ``r`` of every sequence, then chunk ``2cp-1-r``), so each rank's keys
 split into two halves and attention runs over (query half, source rank, key half) blocks, each cut into sub-blocks
-of whole documents; blocks the mask leaves empty are skipped, which is what balances causal work. ``allgather``
-gathers K/V (Llama 3 scheme); ``ring`` passes K/V point-to-point around the group, overlapping the transfer with the
-current block's compute, merges partial results by log-sum-exp, and passes dK/dV back around in the backward.
+of whole documents; blocks the mask leaves empty are skipped, which is what balances causal work. Those blocks are
+cut into tiles addressed in the caller's own token order, so no reordered copy of q, k, v or the output is made.
+Between forward and backward a rank keeps only its own q, k, v, the output and the log-sum-exp, so its memory is
+``1/cp`` of single-device attention's. ``allgather`` broadcasts each rank's K/V in turn (the next one on its way
+while the current one computes); ``ring`` passes K/V point-to-point around the group, overlapping the transfer with
+the current source's compute; both merge partial results by log-sum-exp. The backward fetches the K/V again one
+key piece at a time and returns each piece's dK/dV to its owner (summed by a reduce, or travelling round the ring).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -354,7 +358,7 @@ class _ShardAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, kernel, scale, exchange):  # type: ignore[override]
+    def forward(ctx, q, k, v, plan, kernel, scale, exchange: _KVExchange):  # type: ignore[override]
         q, k, v = (x.contiguous() for x in (q, k, v))
         acc = accumulation_dtype(q.dtype)
         out = q.new_zeros(q.shape, dtype=acc)
@@ -387,25 +391,37 @@ class _ShardAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-SourceVisit = Callable[[int, Tensor, Tensor], None]
-PieceVisit = Callable[[int, int, Tensor, Tensor, Tensor, Tensor], None]
+_SourceVisit = Callable[[int, Tensor, Tensor], None]
+_PieceVisit = Callable[[int, int, Tensor, Tensor, Tensor, Tensor], None]
+
+
+class _KVExchange(Protocol):
+    """How every source rank's K/V reach this rank, and their dK/dV go back to their owners."""
+
+    def sources(self, k: Tensor, v: Tensor, visit: _SourceVisit) -> None:
+        """Call ``visit(src, k_src, v_src)`` for every source rank with its whole K/V (this rank's: ``k``, ``v``)."""
+
+    def pieces(
+        self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice], visit: _PieceVisit
+    ) -> None:
+        """Call ``visit(src, piece, k_piece, v_piece, dk_piece, dv_piece)`` for every key piece of every source; the
+        dK/dV each call adds in place end up, summed over the ranks, in this rank's ``grads`` (dK, dV)."""
 
 
 class _LocalKV:
     """One rank: its own K/V are the only source, and their pieces are views."""
 
-    def sources(self, k: Tensor, v: Tensor, visit: SourceVisit) -> None:
-        """Call ``visit(src, k, v)`` for every source."""
+    def sources(self, k: Tensor, v: Tensor, visit: _SourceVisit) -> None:
         visit(0, k, v)
 
-    def pieces(self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice], visit: PieceVisit):
-        """Call ``visit(src, piece, k_piece, v_piece, dk_piece, dv_piece)`` for every source's every key piece; the
-        dK/dV each call adds in place end up summed in ``grads`` (this rank's dK, dV, accumulation dtype)."""
+    def pieces(
+        self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice], visit: _PieceVisit
+    ) -> None:
         for index, rows in enumerate(pieces):
             visit(0, index, k[rows], v[rows], grads[0][rows], grads[1][rows])
 
 
-class _GatheredKV(_LocalKV):
+class _GatheredKV:
     """``allgather``: each source's K/V broadcast by its owner, whole in the forward and one piece at a time in the
     backward (the next one already on its way), and each piece's dK/dV summed onto its owner: a rank holds at most
     two sources' (or pieces') K/V at a time, never the whole gathered sequence."""
@@ -418,7 +434,7 @@ class _GatheredKV(_LocalKV):
         buffer = torch.stack([k[rows], v[rows]]) if src == self.rank else k.new_empty((2, *k[rows].shape))
         return comm.broadcast_from(buffer, src, self.group)
 
-    def sources(self, k: Tensor, v: Tensor, visit: SourceVisit) -> None:
+    def sources(self, k: Tensor, v: Tensor, visit: _SourceVisit) -> None:
         whole = slice(0, k.shape[0])
         pending = self._fetch(0, k, v, whole)
         for src in range(self.cp):
@@ -426,7 +442,9 @@ class _GatheredKV(_LocalKV):
             pending = self._fetch(src + 1, k, v, whole) if src + 1 < self.cp else None
             visit(src, kv[0], kv[1])
 
-    def pieces(self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice], visit: PieceVisit):
+    def pieces(
+        self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice], visit: _PieceVisit
+    ) -> None:
         items = [(src, index) for src in range(self.cp) for index in range(len(pieces))]
         pending, summing = self._fetch(0, k, v, pieces[0]), None
         for position, (src, index) in enumerate(items):
@@ -439,7 +457,7 @@ class _GatheredKV(_LocalKV):
         self._land(summing, grads)
 
     def _contribute(
-        self, src: int, index: int, rows: slice, kv: Tensor, dtype: torch.dtype, visit: PieceVisit
+        self, src: int, index: int, rows: slice, kv: Tensor, dtype: torch.dtype, visit: _PieceVisit
     ) -> tuple[int, slice, comm.Transfer]:
         """Compute this rank's dK/dV for one piece and start summing it onto the owner (in the inputs' dtype)."""
         partial = kv.new_zeros(kv.shape, dtype=dtype)
@@ -457,14 +475,14 @@ class _GatheredKV(_LocalKV):
             grads[1][rows].copy_(total[1])
 
 
-class _RingKV(_LocalKV):
+class _RingKV:
     """``ring``: K/V passed to the next rank while the current source computes (two buffers); in the backward each
     key piece goes round the ring, its dK/dV travelling with it (accumulation dtype) and arriving home complete."""
 
     def __init__(self, group: ProcessGroup) -> None:
         self.group, self.rank, self.cp = group, comm.group_rank(group), comm.group_size(group)
 
-    def sources(self, k: Tensor, v: Tensor, visit: SourceVisit) -> None:
+    def sources(self, k: Tensor, v: Tensor, visit: _SourceVisit) -> None:
         kv = torch.stack([k, v])
         for step in range(self.cp):
             transfer = comm.ring_shift(kv, self.group, _RING_KV_TAG) if step < self.cp - 1 else None
@@ -472,7 +490,9 @@ class _RingKV(_LocalKV):
             if transfer is not None:
                 kv = transfer.wait()
 
-    def pieces(self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice], visit: PieceVisit):
+    def pieces(
+        self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice], visit: _PieceVisit
+    ) -> None:
         for index, rows in enumerate(pieces):
             kv, incoming = torch.stack([k[rows], v[rows]]), None
             for step in range(self.cp):

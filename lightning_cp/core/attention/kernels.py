@@ -3,8 +3,9 @@
 A rank's tokens are described by document id and position (``RankTokens``, half-major order); ``build_block_plan``
 cuts the local-queries x source-keys product into blocks of whole documents and leaves out empty ones, then cuts
 those into tiles addressed in the ranks' *local* token order, so the attention runs on the caller's tensors without
-reordering copies. A tile spans at most ``tile_rows`` rows (1/16 of a rank's rows by default), which bounds every
-buffer the kernels allocate per call; the backward also takes keys one tile-sized piece at a time.
+reordering copies. A backward tile spans at most ``tile_rows`` rows and columns (1/16 of a rank's rows by default), a
+forward tile four times the rows, which bounds every buffer the kernels allocate per call; the backward also takes
+keys one tile-sized piece at a time.
 ``forward_source``/``backward_source`` run one source rank's blocks or tiles with a ``BlockKernel``, merging the
 forward by log-sum-exp and accumulating gradients in place.
 
@@ -32,6 +33,9 @@ _NEG_INF = -math.inf
 _MIN_GROUP_ROWS = 64
 _TILES_PER_RANK = 16
 _MIN_TILE_ROWS = 256
+# Forward tiles span this many rows of backward tiles: the forward holds no gradients, and ATen's CPU flash kernel
+# uses its larger query blocks from 768 rows on.
+_FORWARD_TILES = 4
 
 
 @dataclass(frozen=True)
@@ -355,17 +359,18 @@ def _on_device(block: Block, device: torch.device) -> Block:
 def _tiled(
     blocks: Sequence[Block], row_perm: Tensor | None, col_perm: Tensor | None, tile: int, local: int
 ) -> tuple[list[Block], list[list[Block]]]:
-    """Cut one source's half-major blocks into local-order tiles: the forward's (rows cut at multiples of ``tile``,
-    columns whole except where a causal block's diagonal needs them cut) and, per key piece, the backward's (rows and
-    columns cut, columns relative to the piece)."""
+    """Cut one source's half-major blocks into local-order tiles: the forward's (rows cut at multiples of
+    ``_FORWARD_TILES * tile``, columns whole except where a causal block's diagonal needs them cut) and, per key piece,
+    the backward's (rows and columns cut at multiples of ``tile``, columns relative to the piece)."""
     forward: list[Block] = []
     backward: list[list[Block]] = [[] for _ in range(-(-local // tile))]
     for block in blocks:
         rows, cols = _local_rows(block.rows, row_perm), _local_rows(block.cols, col_perm)
-        col_groups = _tile_groups(cols, tile)
-        for _, i in _tile_groups(rows, tile):
+        for _, i in _tile_groups(rows, _FORWARD_TILES * tile):
             for j in _forward_columns(block, i, cols.numel()):
                 forward += _sub_block(block, rows, cols, i, j, 0)
+        col_groups = _tile_groups(cols, tile)
+        for _, i in _tile_groups(rows, tile):
             for piece, j in col_groups:
                 backward[piece] += _sub_block(block, rows, cols, i, j, piece * tile)
     return forward, backward
