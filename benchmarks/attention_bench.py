@@ -42,7 +42,7 @@ from lightning_cp.core.packed import PackedSeqParams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "attention_bench.md"
 HEAD_DIM = 64
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD = -3, -1  # glibc mallopt parameters
 
 
 @dataclass(frozen=True)
@@ -222,9 +222,8 @@ def modes_table(total: int, cps: Sequence[int], repeats: int) -> str:
     lines = [
         f"### attention modes (causal, Hq={heads[0]}, Hkv={heads[1]}, D={HEAD_DIM}, float32, cpu_flash, gloo, "
         f"1 thread per rank, {os.cpu_count()} CPU cores shared by all ranks; time = slowest rank's min of {repeats}; "
-        "bytes = what each rank sends for one layer's forward + backward, counted in the collectives (slowest rank; "
-        "the byte model `lightning_cp.core.attention.cost` gives the same); memory = peak resident growth during the "
-        "call; balance = max / mean attention work over ranks)",
+        "bytes = what each rank sends for one layer's forward + backward, counted in the collectives (slowest rank); "
+        "memory = peak resident growth during the call; balance = max / mean attention work over ranks)",
         "",
         "| workload | cp | mode | forward (ms) | backward (ms) | MiB sent per rank | peak MiB per rank | balance |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -252,9 +251,10 @@ EFFICIENCY_HEADS = 8
 
 
 def _sdpa_reference(workload: Workload, track_memory: bool) -> dict[str, float]:
-    """Single process, one thread, after a warm-up call: with ``track_memory`` SDPA's peak resident growth for
-    forward + backward over all the workload's tokens (the flash kernel's buffers do not depend on the mask), else
-    its CPU seconds for the same work as the workload (packed: each document on its own, the cheapest exact way)."""
+    """Single process, one thread, after a warm-up call on a quarter of the tokens: with ``track_memory`` SDPA's peak
+    resident growth for forward + backward over all the workload's tokens (the flash kernel's buffers do not depend
+    on the mask), else its CPU seconds for the same work as the workload (packed: each document on its own, the
+    cheapest exact way)."""
 
     def run(length: int) -> tuple[float, float]:
         q, k, v = (torch.randn(length, 1, EFFICIENCY_HEADS, HEAD_DIM).requires_grad_() for _ in range(3))
@@ -265,7 +265,7 @@ def _sdpa_reference(workload: Workload, track_memory: bool) -> dict[str, float]:
         out.backward(torch.ones_like(out))
         return time.process_time() - start, (_memory_kib("VmHWM") - resident) / 1024
 
-    run(512)
+    run(sum(workload.lengths) // 4)
     if track_memory:
         return {"peak": run(sum(workload.lengths))[1]}
     lengths = workload.lengths if workload.packed else (sum(workload.lengths),)
@@ -274,11 +274,12 @@ def _sdpa_reference(workload: Workload, track_memory: bool) -> dict[str, float]:
 
 def _shard_trial(workload: Workload, mode: str, track_memory: bool) -> dict[str, float]:
     """Rank body: the peak resident growth (``track_memory``) or the CPU seconds (all threads, and the calling thread
-    alone) of one ``zigzag_attention`` forward + backward with the public defaults, after a small warm-up call and
-    with the batch's block plan built (once per batch in training, shared by every layer and the backward)."""
+    alone) of one ``zigzag_attention`` forward + backward with the public defaults, after a warm-up call on a
+    quarter-size batch (first calls of a size grow buffers that later calls reuse) and with the batch's block plan
+    built (once per batch in training, shared by every layer and the backward)."""
     cp = dist.get_world_size()
     heads = (EFFICIENCY_HEADS, EFFICIENCY_HEADS)
-    warm = Workload("warm-up", (64 * cp, 32 * cp) if workload.packed else (128 * cp,), workload.packed)
+    warm = Workload("warm-up", tuple(max(1, length // 4) for length in workload.lengths), workload.packed)
     total = sum(workload.lengths)
     geometry = (
         zigzag.ZigzagGeometry.packed(cp, workload.lengths)
@@ -333,12 +334,12 @@ def efficiency_table(totals: Sequence[int], cps: Sequence[int], baseline: Path |
     lines = [
         f"### memory and parallel efficiency against single-process SDPA (causal, Hq=Hkv={EFFICIENCY_HEADS}, "
         f"D={HEAD_DIM}, float32, cpu_flash, gloo, 1 thread per rank, {os.cpu_count()} CPU cores shared by all ranks "
-        "and other work; one forward + backward after a small warm-up call, the batch's block plan built before. "
-        "peak = resident growth during the call (highest rank); memory = peak / (SDPA's peak over all the tokens / "
-        "cp), target <= 1.2; efficiency = the slowest rank's CPU seconds x cp / SDPA's CPU seconds for the same work "
-        "at one thread (packed: SDPA per document), target <= 1.1, counting all the rank's threads (compute and "
-        "gloo's copying through loopback sockets) or the compute thread alone; CPU time, not wall time, since the "
-        f"ranks share the cores){compared}",
+        "and other work; one forward + backward after a warm-up call at a quarter of the size, the batch's block plan "
+        "built before. peak = resident growth during the call (highest rank); memory = peak / (SDPA's peak over all "
+        "the tokens / cp), target <= 1.2; efficiency = the slowest rank's CPU seconds x cp / SDPA's CPU seconds for "
+        "the same work at one thread (packed: SDPA per document), target <= 1.1, counting all the rank's threads "
+        "(compute and gloo's copying through loopback sockets) or the compute thread alone; CPU time, not wall time, "
+        f"since the ranks share the cores){compared}",
         "",
         f"| workload | cp | mode | peak MiB per rank ({columns}) | memory ({columns}) | efficiency, all threads "
         f"({columns}) | efficiency, compute thread ({columns}) |",
@@ -409,6 +410,14 @@ def _track_live_memory() -> None:
     libc.malloc_trim(0)
 
 
+def _reuse_freed_memory() -> None:
+    """Undo ``_track_live_memory`` for timing: buffers up to 32 MiB come from the heap and are reused once freed, as
+    glibc's adaptive threshold settles in a long-running process, so short-lived buffers cost no page faults."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)
+    libc.mallopt(_M_TRIM_THRESHOLD, 128 * 2**20)
+
+
 def _rank_entry(
     rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, track_memory: bool
 ) -> None:
@@ -417,6 +426,8 @@ def _rank_entry(
     torch.set_num_threads(1)
     if track_memory:
         _track_live_memory()
+    else:
+        _reuse_freed_memory()
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         queue.put((rank, fn(*args)))
@@ -430,8 +441,8 @@ def _rank_entry(
 def launch(fn: Callable, world_size: int, *args: Any, track_memory: bool = True) -> list[Any]:
     """Fork ``world_size`` ranks in a gloo group, run ``fn(*args)`` on each and return their results in rank order.
 
-    ``track_memory``: resident memory follows live tensors (``_track_live_memory``); without it glibc keeps freed
-    memory for reuse, as in training, so many short-lived buffers cost no page faults (time runs).
+    ``track_memory``: resident memory follows live tensors (``_track_live_memory``); without it freed memory is kept
+    for reuse, as in training, so many short-lived buffers cost no page faults (time runs).
     """
     context = mp.get_context("fork")
     queue = context.Queue()
@@ -474,6 +485,7 @@ def main() -> None:
     if args.trial:
         _run_trial(args.trial)
         return
+    _track_live_memory()
     balance_tokens, modes_tokens, repeats = (8192, 2048, 2) if args.quick else (32768, 8192, 3)
     efficiency_tokens = [4096] if args.quick else [int(x) for x in args.efficiency_tokens.split(",")]
     started = time.perf_counter()
