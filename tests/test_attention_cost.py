@@ -68,11 +68,12 @@ def test_bytes_sent_equal_the_model(mode: str, cp: int, heads: tuple[int, int], 
 
 def test_the_cheapest_mode_by_hand():
     """Bytes per token x head dim x element size, from the formulas in docs (worked by hand):
-    cp=8, 32 heads / 8 kv: allgather 4*7*8 = 224, ulysses 2*(7/8)*(64+16) = 140 -> ulysses;
-    cp=8, 32 / 4: kv replicated to 8 for ulysses (140) vs allgather 4*7*4 = 112 -> allgather;
-    cp=16, 8 / 8: ulysses impossible; hybrid u=8: 2*(7/8)*32 + 2*8*(2+2) = 120, allgather 480 -> hybrid u=8."""
+    cp=8, 32 heads / 8 kv: allgather 6*7*8 = 336, ulysses 2*(7/8)*(64+16) = 140 -> ulysses;
+    cp=8, 32 / 2: kv replicated to 8 for ulysses (140) vs allgather 6*7*2 = 84 -> allgather;
+    cp=16, 8 / 8: ulysses impossible; hybrid u=8: 2*(7/8)*32 + 2*8*(2+2) = 120, allgather 720 -> hybrid u=8."""
     assert choose_attention_mode(8, 32, 8) == ("ulysses", None)
-    assert choose_attention_mode(8, 32, 4) == ("allgather", None)
+    assert choose_attention_mode(8, 32, 2) == ("allgather", None)
+    assert bytes_sent_per_layer("allgather", 8, 1, 32, 2, 1, 1) == 84
     assert choose_attention_mode(16, 8, 8) == ("hybrid", 8)
     assert choose_attention_mode(1, 4, 2) == ("allgather", None)
     assert bytes_sent_per_layer("ulysses", 8, 1, 32, 8, 1, 1) == 140

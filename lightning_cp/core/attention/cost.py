@@ -4,8 +4,8 @@
 tests count the real collectives and check them against it). All modes scale linearly in the tokens and the head
 dimension, so for equal element sizes the cheapest mode depends only on cp and the head counts, and
 ``choose_attention_mode`` picks it (under bf16 the ring's float32 dK/dV make ring and hybrid a little dearer than it
-assumes). Ring sends more than all-gather: it trades bytes, hidden behind compute, for not holding every rank's K/V;
-choose it explicitly when the gathered K/V do not fit.
+assumes). All-gather streams the sources (each rank's K/V broadcast in turn, in the forward and again in the
+backward, dK/dV pieces reduced onto their owners), so neither mode holds every rank's K/V at once.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def bytes_sent_per_layer(
     """
     gradient_element_size = gradient_element_size or element_size
     row = head_dim * element_size
-    if mode == "allgather":
-        return 4 * (cp_size - 1) * local_rows * kv_heads * row
+    if mode == "allgather":  # K/V broadcast from each source in the forward and again in the backward, dK/dV
+        return 6 * (cp_size - 1) * local_rows * kv_heads * row  # pieces reduced onto their owners
     if mode == "ring":
         return _ring_bytes(cp_size, local_rows * kv_heads * head_dim, element_size, gradient_element_size)
     ulysses = cp_size if mode == "ulysses" else ulysses_size
