@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from lightning_cp import CPZigzagStrategy
 from lightning_cp.lightning import state
 from tests.distributed_harness import run_on_ranks
-from tests.test_fsdp import FIT_OPTIONS, STEPS, RecordingLM, batches
+from tests.lm_helpers import FIT_OPTIONS, STEPS, RecordingLM, batches
 
 torch.set_num_threads(1)
 
