@@ -41,9 +41,8 @@ def test_small_tiles_cut_blocks_every_way(small_tiles):
     pieces = [tile for source in plan.piece_tiles for piece in source for tile in piece]
     rows = tokens[0].doc.shape[0]
     tile = -(-rows // TILES_PER_RANK)
-    assert [(piece.start, piece.stop) for piece in plan.pieces] == [
-        (s, min(s + tile, rows)) for s in range(0, rows, tile)
-    ]
+    assert sorted(torch.cat(plan.pieces).tolist()) == list(range(rows)), "the pieces cut the local rows"
+    assert len(plan.pieces) > 1 and all(piece.numel() <= tile for piece in plan.pieces)
     assert len(tiles) > sum(map(len, plan.blocks)) and len(pieces) > len(tiles)
     assert any(isinstance(tile.rows, torch.Tensor) for tile in tiles), "document groups address scattered rows"
     assert any(tile.causal for tile in pieces) and any(tile.mask is not None for tile in pieces)
@@ -53,6 +52,30 @@ def test_small_tiles_cut_blocks_every_way(small_tiles):
         (slice(16, 32), slice(0, 16), False),
         (slice(16, 32), slice(16, 32), True),
     ], "a causal block's forward tiles: the diagonal, then the columns before it"
+    assert [(piece.start, piece.stop) for piece in dense.pieces] == [(s, s + 8) for s in range(0, 64, 8)]
+
+
+def test_key_pieces_hold_early_and_late_keys_alike():
+    """Every piece of a dense zigzag shard pairs front rows with their mirror images, so each piece costs every rank
+    the same work: ranks working through the pieces in lockstep do not wait for each other."""
+    tokens = zigzag.ZigzagGeometry.dense(4, 256).rank_tokens
+    plans = [kernels.build_block_plan(tokens, rank, True, torch.device("cpu"), tile=8) for rank in range(4)]
+    first = plans[0].pieces[0].tolist()
+    assert first == [0, 1, 2, 3, 60, 61, 62, 63] and all(torch.equal(p.pieces[1], plans[0].pieces[1]) for p in plans)
+    for src in range(4):
+        for piece in range(len(plans[0].pieces)):
+            work = [sum(_pairs(tile) for tile in plan.piece_tiles[src][piece]) for plan in plans]
+            assert max(work) - min(work) <= 8, f"source {src} piece {piece}: pairs per rank {work}"
+
+
+def _pairs(tile: kernels.Block) -> int:
+    """Visible pairs of one tile."""
+    rows, cols = (
+        index.stop - index.start if isinstance(index, slice) else index.numel() for index in (tile.rows, tile.cols)
+    )
+    if tile.causal:
+        return rows * (rows + 1) // 2
+    return rows * cols if tile.mask is None else int(tile.mask.sum())
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3])

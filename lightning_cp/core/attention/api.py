@@ -402,7 +402,7 @@ class _KVExchange(Protocol):
         """Call ``visit(src, k_src, v_src)`` for every source rank with its whole K/V (this rank's: ``k``, ``v``)."""
 
     def pieces(
-        self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice], visit: _PieceVisit
+        self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice | Tensor], visit: _PieceVisit
     ) -> None:
         """Call ``visit(src, piece, k_piece, v_piece, dk_piece, dv_piece)`` for every key piece of every source; the
         dK/dV each call adds in place end up, summed over the ranks, in this rank's ``grads`` (dK, dV)."""
@@ -415,7 +415,7 @@ class _LocalKV:
         visit(0, k, v)
 
     def pieces(
-        self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice], visit: _PieceVisit
+        self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice | Tensor], visit: _PieceVisit
     ) -> None:
         for index, rows in enumerate(pieces):
             visit(0, index, k[rows], v[rows], grads[0][rows], grads[1][rows])
@@ -423,16 +423,18 @@ class _LocalKV:
 
 class _GatheredKV:
     """``allgather``: each source's K/V broadcast by its owner, whole in the forward and one piece at a time in the
-    backward (the next one already on its way), and each piece's dK/dV summed onto its owner: a rank holds at most
-    two sources' (or pieces') K/V at a time, never the whole gathered sequence."""
+    backward (the next one already on its way), and each piece's dK/dV summed onto its owner while the next piece
+    computes: a rank holds at most two sources' (or pieces') K/V at a time, never the whole gathered sequence."""
 
     def __init__(self, group: ProcessGroup) -> None:
         self.group, self.rank, self.cp = group, comm.group_rank(group), comm.group_size(group)
 
-    def _fetch(self, src: int, k: Tensor, v: Tensor, rows: slice) -> comm.Transfer:
+    def _fetch(self, src: int, k: Tensor, v: Tensor, rows: slice | Tensor) -> comm.Transfer:
         """Start the broadcast of source ``src``'s K/V rows ``rows``, stacked ``[2, rows, ...]``."""
-        buffer = torch.stack([k[rows], v[rows]]) if src == self.rank else k.new_empty((2, *k[rows].shape))
-        return comm.broadcast_from(buffer, src, self.group)
+        if src == self.rank:
+            return comm.broadcast_from(torch.stack([k[rows], v[rows]]), src, self.group)
+        count = rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
+        return comm.broadcast_from(k.new_empty((2, count, *k.shape[1:])), src, self.group)
 
     def sources(self, k: Tensor, v: Tensor, visit: _SourceVisit) -> None:
         whole = slice(0, k.shape[0])
@@ -443,7 +445,7 @@ class _GatheredKV:
             visit(src, kv[0], kv[1])
 
     def pieces(
-        self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice], visit: _PieceVisit
+        self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice | Tensor], visit: _PieceVisit
     ) -> None:
         items = [(src, index) for src in range(self.cp) for index in range(len(pieces))]
         pending, summing = self._fetch(0, k, v, pieces[0]), None
@@ -452,27 +454,26 @@ class _GatheredKV:
             if position + 1 < len(items):
                 following = items[position + 1]
                 pending = self._fetch(following[0], k, v, pieces[following[1]])
-            self._land(summing, grads)
-            summing = self._contribute(src, index, pieces[index], kv, grads[0].dtype, visit)
+            previous, summing = summing, self._contribute(src, index, pieces[index], kv, grads[0].dtype, visit)
+            self._land(previous, grads)  # the previous piece's sum ran during this one's compute
         self._land(summing, grads)
 
     def _contribute(
-        self, src: int, index: int, rows: slice, kv: Tensor, dtype: torch.dtype, visit: _PieceVisit
-    ) -> tuple[int, slice, comm.Transfer]:
+        self, src: int, index: int, rows: slice | Tensor, kv: Tensor, dtype: torch.dtype, visit: _PieceVisit
+    ) -> tuple[int, slice | Tensor, comm.Transfer]:
         """Compute this rank's dK/dV for one piece and start summing it onto the owner (in the inputs' dtype)."""
         partial = kv.new_zeros(kv.shape, dtype=dtype)
         visit(src, index, kv[0], kv[1], partial[0], partial[1])
         return src, rows, comm.reduce_sum_to(partial.to(kv.dtype), src, self.group)
 
-    def _land(self, summing: tuple[int, slice, comm.Transfer] | None, grads: tuple[Tensor, Tensor]) -> None:
+    def _land(self, summing: tuple[int, slice | Tensor, comm.Transfer] | None, grads: tuple[Tensor, Tensor]) -> None:
         """Wait for a piece's sum; its owner keeps it."""
         if summing is None:
             return
         src, rows, transfer = summing
         total = transfer.wait()
         if src == self.rank:
-            grads[0][rows].copy_(total[0])
-            grads[1][rows].copy_(total[1])
+            grads[0][rows], grads[1][rows] = total[0].to(grads[0].dtype), total[1].to(grads[1].dtype)
 
 
 class _RingKV:
@@ -491,20 +492,21 @@ class _RingKV:
                 kv = transfer.wait()
 
     def pieces(
-        self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice], visit: _PieceVisit
+        self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice | Tensor], visit: _PieceVisit
     ) -> None:
         for index, rows in enumerate(pieces):
             kv, incoming = torch.stack([k[rows], v[rows]]), None
             for step in range(self.cp):
                 transfer = comm.ring_shift(kv, self.group, _RING_BACKWARD_KV_TAG) if step < self.cp - 1 else None
-                dkv = kv.new_zeros(kv.shape, dtype=grads[0].dtype) if incoming is None else incoming.wait()
+                dkv = kv.new_zeros(kv.shape, dtype=grads[0].dtype)
                 visit((self.rank - step) % self.cp, index, kv[0], kv[1], dkv[0], dkv[1])
+                if incoming is not None:  # the sum so far arrived during this rank's compute
+                    dkv += incoming.wait()
                 incoming = comm.ring_shift(dkv, self.group, _RING_DKV_TAG)
                 if transfer is not None:
                     kv = transfer.wait()
             own = incoming.wait()
-            grads[0][rows].copy_(own[0])
-            grads[1][rows].copy_(own[1])
+            grads[0][rows], grads[1][rows] = own[0], own[1]
 
 
 class _GatheredAttention(torch.autograd.Function):

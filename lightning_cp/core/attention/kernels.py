@@ -40,11 +40,16 @@ _FORWARD_TILES = 4
 
 @dataclass(frozen=True)
 class BlockKernel:
-    """A named pair of block functions: ``forward(q, k, v, mask, causal, scale)`` and its explicit ``backward``."""
+    """A named pair of block functions: ``forward(q, k, v, mask, causal, scale)`` and its explicit ``backward``.
+
+    ``shares_kv_heads``: the functions attend ``Hq`` query heads to ``Hkv < Hq`` K/V heads without copies; if not,
+    ``forward_source``/``backward_source`` repeat a source's K/V heads once for all its blocks, not once per block.
+    """
 
     name: str
     forward: Callable[[Tensor, Tensor, Tensor, Tensor | None, bool, float], tuple[Tensor, Tensor]]
     backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
+    shares_kv_heads: bool = True
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -185,7 +190,7 @@ def cpu_flash_backward(
 
 
 MATH = BlockKernel("math", math_forward, math_backward)
-CPU_FLASH = BlockKernel("cpu_flash", cpu_flash_forward, cpu_flash_backward)
+CPU_FLASH = BlockKernel("cpu_flash", cpu_flash_forward, cpu_flash_backward, shares_kv_heads=False)
 
 
 @functools.cache
@@ -218,15 +223,15 @@ class BlockPlan:
 
     ``blocks[src]``: whole document blocks, half-major order (work accounting, and attention on half-major copies).
     ``tiles[src]``: the same pairs in local order, rows cut into tiles (causal blocks' columns too): the forward.
-    ``pieces``: the key pieces every source's local rows are cut into; ``piece_tiles[src][j]``: the tiles meeting
-    piece ``j`` of source ``src``, columns relative to the piece start: the backward.
+    ``pieces``: the key pieces every source's local rows are cut into (the same rows on every rank); ``piece_tiles[src]
+    [j]``: the tiles meeting piece ``j`` of source ``src``, columns numbered within the piece: the backward.
     """
 
     cp: int
     rank: int
     blocks: tuple[tuple[Block, ...], ...]
     tiles: tuple[tuple[Block, ...], ...]
-    pieces: tuple[slice, ...]
+    pieces: tuple[slice | Tensor, ...]
     piece_tiles: tuple[tuple[tuple[Block, ...], ...], ...]
 
 
@@ -240,10 +245,12 @@ def build_block_plan(
     tokens: Sequence[RankTokens], rank: int, causal: bool, device: torch.device, tile: int | None = None
 ) -> BlockPlan:
     """Find, per source rank and (query half, key half), the document-group sub-blocks with a visible pair, and cut
-    them into tiles of at most ``tile`` rows (default ``tile_rows``) in local order."""
+    them into tiles in local order, the backward's within key pieces of at most ``tile`` rows (default
+    ``tile_rows``)."""
     half = tokens[rank].doc.shape[0] // 2
     tile = tile or tile_rows(2 * half)
     documents = max((int(t.doc.max()) for t in tokens if t.doc.numel()), default=-1) + 1
+    row_pieces = _key_pieces(tokens[rank], tile, mirrored=len(tokens) > 1)
     blocks, tiles, piece_tiles = [], [], []
     for source in tokens:
         source_blocks: list[Block] = []
@@ -251,12 +258,44 @@ def build_block_plan(
             for k_half, key in enumerate(halves(source)):
                 for block in _document_blocks(query, key, causal, documents):
                     source_blocks.append(_shifted(block, q_half * half, k_half * half))
-        forward, backward = _tiled(source_blocks, tokens[rank].perm, source.perm, tile, 2 * half)
+        col_pieces = _key_pieces(source, tile, mirrored=len(tokens) > 1)
+        forward, backward = _tiled(source_blocks, tokens[rank].perm, source.perm, tile, row_pieces, col_pieces)
         blocks.append(tuple(_on_device(block, device) for block in source_blocks))
         tiles.append(tuple(_on_device(block, device) for block in forward))
         piece_tiles.append(tuple(tuple(_on_device(block, device) for block in piece) for piece in backward))
-    pieces = tuple(slice(start, min(start + tile, 2 * half)) for start in range(0, 2 * half, tile))
+    pieces = tuple(rows if isinstance(rows, slice) else rows.to(device) for rows in row_pieces.rows)
     return BlockPlan(len(tokens), rank, tuple(blocks), tuple(tiles), pieces, tuple(piece_tiles))
+
+
+@dataclass(frozen=True)
+class _Pieces:
+    """A rank's local rows cut into key pieces: each piece's rows (ascending), and per local row its piece and its
+    place within it."""
+
+    rows: tuple[slice | Tensor, ...]
+    piece: Tensor
+    slot: Tensor
+
+
+def _key_pieces(tokens: RankTokens, tile: int, mirrored: bool) -> _Pieces:
+    """Cut a rank's local rows into pieces of at most ``tile`` rows. ``mirrored`` (several ranks): piece ``j`` is
+    the half-major front rows ``[j*h, (j+1)*h)`` (``h = tile / 2``) with their mirror images in the back half, so it
+    holds early and late keys alike and costs every rank about the same work (a dense sequence: exactly), and ranks
+    that pass pieces in lockstep seldom wait for each other; otherwise adjacent rows."""
+    local = tokens.doc.shape[0]
+    if mirrored:
+        half, width = local // 2, -(-tile // 2)
+        groups = []
+        for start in range(0, half, width):
+            front = torch.arange(start, min(start + width, half))
+            positions = torch.cat([front, local - 1 - front])
+            groups.append(torch.sort(positions if tokens.perm is None else tokens.perm[positions]).values)
+    else:
+        groups = [torch.arange(start, min(start + tile, local)) for start in range(0, local, tile)]
+    piece, slot = torch.empty(local, dtype=torch.int64), torch.empty(local, dtype=torch.int64)
+    for number, rows in enumerate(groups):
+        piece[rows], slot[rows] = number, torch.arange(rows.numel())
+    return _Pieces(tuple(_as_index(rows) for rows in groups), piece, slot)
 
 
 @dataclass(frozen=True)
@@ -357,22 +396,29 @@ def _on_device(block: Block, device: torch.device) -> Block:
 
 
 def _tiled(
-    blocks: Sequence[Block], row_perm: Tensor | None, col_perm: Tensor | None, tile: int, local: int
+    blocks: Sequence[Block],
+    row_perm: Tensor | None,
+    col_perm: Tensor | None,
+    tile: int,
+    row_pieces: _Pieces,
+    col_pieces: _Pieces,
 ) -> tuple[list[Block], list[list[Block]]]:
     """Cut one source's half-major blocks into local-order tiles: the forward's (rows cut at multiples of
     ``_FORWARD_TILES * tile``, columns whole except where a causal block's diagonal needs them cut) and, per key piece,
-    the backward's (rows and columns cut at multiples of ``tile``, columns relative to the piece)."""
+    the backward's (columns cut by piece, relative to it; rows cut at multiples of ``tile``, or by piece where a
+    causal block needs the same cuts on both sides)."""
     forward: list[Block] = []
-    backward: list[list[Block]] = [[] for _ in range(-(-local // tile))]
+    backward: list[list[Block]] = [[] for _ in col_pieces.rows]
     for block in blocks:
         rows, cols = _local_rows(block.rows, row_perm), _local_rows(block.cols, col_perm)
-        for _, i in _tile_groups(rows, _FORWARD_TILES * tile):
+        for _, i in _groups(torch.div(rows, _FORWARD_TILES * tile, rounding_mode="floor")):
             for j in _forward_columns(block, i, cols.numel()):
-                forward += _sub_block(block, rows, cols, i, j, 0)
-        col_groups = _tile_groups(cols, tile)
-        for _, i in _tile_groups(rows, tile):
+                forward += _sub_block(block, rows, cols, i, j)
+        row_ids = row_pieces.piece[rows] if block.causal else torch.div(rows, tile, rounding_mode="floor")
+        col_groups, slots = _groups(col_pieces.piece[cols]), col_pieces.slot[cols]
+        for _, i in _groups(row_ids):
             for piece, j in col_groups:
-                backward[piece] += _sub_block(block, rows, cols, i, j, piece * tile)
+                backward[piece] += _sub_block(block, rows, slots, i, j)
     return forward, backward
 
 
@@ -382,9 +428,8 @@ def _local_rows(rows: slice, perm: Tensor | None) -> Tensor:
     return positions if perm is None else perm[positions]
 
 
-def _tile_groups(local: Tensor, tile: int) -> list[tuple[int, Tensor]]:
-    """Group a block's rows by the tile their local row falls in: (tile number, positions within the block)."""
-    ids = torch.div(local, tile, rounding_mode="floor")
+def _groups(ids: Tensor) -> list[tuple[int, Tensor]]:
+    """Group a block's rows by id (a tile or piece number): (id, positions within the block), ids ascending."""
     return [(int(t), torch.nonzero(ids == t).squeeze(1)) for t in torch.unique(ids)]
 
 
@@ -397,9 +442,9 @@ def _forward_columns(block: Block, i: Tensor, count: int) -> list[Tensor]:
     return [j for j in (torch.arange(0, first), torch.arange(first, last + 1)) if j.numel()]
 
 
-def _sub_block(block: Block, rows: Tensor, cols: Tensor, i: Tensor, j: Tensor, col_offset: int) -> list[Block]:
-    """Positions ``i`` x ``j`` of ``block`` as a tile in local order (columns less ``col_offset``), or none if no pair
-    there attends."""
+def _sub_block(block: Block, rows: Tensor, cols: Tensor, i: Tensor, j: Tensor) -> list[Block]:
+    """Positions ``i`` x ``j`` of ``block`` as a tile addressing ``rows[i]`` x ``cols[j]``, or none if no pair there
+    attends."""
     mask, causal = None, False
     if block.causal:  # query i sees key j iff j <= i, positions within the block
         if torch.equal(i, j):
@@ -413,7 +458,7 @@ def _sub_block(block: Block, rows: Tensor, cols: Tensor, i: Tensor, j: Tensor, c
         if not bool(mask.any()):
             return []
         mask = None if bool(mask.all()) else mask
-    return [Block(_as_index(rows[i]), _as_index(cols[j] - col_offset), mask, causal)]
+    return [Block(_as_index(rows[i]), _as_index(cols[j]), mask, causal)]
 
 
 def _as_index(local: Tensor) -> slice | Tensor:
@@ -477,6 +522,8 @@ def forward_source(
 ) -> None:
     """Attend the ``[B, H, S, D]`` queries to one source's K/V block by block, merging into ``out``/``lse`` in
     place (``out`` in the accumulation dtype)."""
+    if blocks and not kernel.shares_kv_heads:
+        k, v = _repeat_kv(k, q.shape[1] // k.shape[1]), _repeat_kv(v, q.shape[1] // v.shape[1])
     for block in blocks:
         _forward_block(out, lse, q, k, v, block, kernel, scale)
 
@@ -509,8 +556,18 @@ def backward_source(
 ) -> None:
     """Add one source's blocks to ``grads`` = (dQ, dK, dV) in place, given ``tensors`` = (dout, q, out, lse) of the
     local queries; dK/dV are the source's (or its piece's, with the blocks' columns relative to it)."""
+    groups = tensors[1].shape[1] // k.shape[1]
+    if not blocks or kernel.shares_kv_heads or groups == 1:
+        for block in blocks:
+            _backward_block(grads, tensors, k, v, block, kernel, scale)
+        return
+    dq, dk, dv = grads
+    k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
+    dk_heads, dv_heads = torch.zeros_like(k, dtype=dk.dtype), torch.zeros_like(v, dtype=dv.dtype)
     for block in blocks:
-        _backward_block(grads, tensors, k, v, block, kernel, scale)
+        _backward_block((dq, dk_heads, dv_heads), tensors, k, v, block, kernel, scale)
+    dk.add_(_grouped(dk_heads, dk.shape[1]).sum(2))
+    dv.add_(_grouped(dv_heads, dv.shape[1]).sum(2))
 
 
 def _backward_block(
