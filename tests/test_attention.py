@@ -13,98 +13,22 @@ from lightning_cp.core.attention import api as attention
 from lightning_cp.core.attention import kernels
 from lightning_cp.core.attention.api import zigzag_attention
 from tests.attention_helpers import (
+    KERNELS,
     Case,
+    all_cases,
     case_lengths,
+    check_all_cases,
+    check_case,
     compare_slots,
-    packed_params,
     reference_attention,
-    reference_case,
-    shard_slots,
     zigzag_index,
 )
 from tests.distributed_harness import run_on_ranks
 
-MODES = ("allgather", "ring")
-KERNELS = ("cpu_flash", "math")
-
-
-def check_case(case: Case, cp: int, rank: int, group, seed: int) -> list[str]:
-    """Run one case on this rank and return the failures (empty when outputs and gradients match)."""
-    torch.manual_seed(seed)
-    lengths = case_lengths(case, cp, seed)
-    (q, k, v, dout), expected, reference_grads = reference_case(case, lengths)
-    index = torch.tensor(zigzag_index(lengths, cp, rank))
-    valid = index >= 0
-    local = [shard_slots(x, index, case) for x in (q, k, v, dout)]
-    for x in local:
-        x[~valid] = 3.0  # padding should arrive as zeros; garbage there must not leak anywhere either
-    *local, local_dout = (x.to(case.dtype) for x in local)
-    local = [x.requires_grad_() for x in local]
-    out = _attend(case, local, group, lengths, cp, rank)
-    out.backward(local_dout)
-    names = ("out", "dq", "dk", "dv")
-    got = (out, *(x.grad for x in local))
-    want = (expected, *reference_grads)
-    failures = (compare_slots(*args, index, case) for args in zip(names, got, want, strict=True))
-    return [f"{case.name} cp={cp} rank={rank}: {failure}" for failure in failures if failure]
-
-
-def _attend(case: Case, local: list[torch.Tensor], group, lengths: list[int], cp: int, rank: int) -> torch.Tensor:
-    """Call ``zigzag_attention``, or its flash-attn path with a pure-torch stand-in for the varlen kernel."""
-    params = packed_params(lengths, cp) if case.packed else None
-    if case.backend != "fake_flash":
-        return zigzag_attention(
-            *local, group, packed_seq_params=params, causal=case.causal, mode=case.mode, backend=case.backend
-        )
-    padded = list(zigzag.ZigzagGeometry.packed(cp, lengths).padded_lengths)
-    tokens = [zigzag.zigzag_rank_tokens(lengths, padded, cp, src) for src in range(cp)]
-    scale = local[0].shape[-1] ** -0.5
-    return attention._flash_attention(*local, group, tokens, rank, case.packed, case.causal, scale, fake_varlen)
-
-
-def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, softmax_scale, causal):
-    """flash-attn's ``flash_attn_varlen_func`` semantics in plain torch: per sequence, bottom-right causal."""
-    assert dropout_p == 0.0 and cu_q.dtype == cu_k.dtype == torch.int32 and len(cu_q) == len(cu_k)
-    outs = []
-    for i in range(len(cu_q) - 1):
-        qi, ki, vi = q[cu_q[i] : cu_q[i + 1]], k[cu_k[i] : cu_k[i + 1]], v[cu_k[i] : cu_k[i + 1]]
-        assert 0 < qi.shape[0] <= max_q and 0 < ki.shape[0] <= max_k
-        ki, vi = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (ki, vi))
-        scores = torch.einsum("qhd,khd->hqk", qi, ki) * softmax_scale
-        if causal:
-            shift = ki.shape[0] - qi.shape[0]
-            visible = torch.arange(ki.shape[0]).unsqueeze(0) <= torch.arange(qi.shape[0]).unsqueeze(1) + shift
-            scores = scores.masked_fill(~visible, float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vi))
-    return torch.cat(outs)
-
-
-def all_cases() -> list[Case]:
-    """Dense and packed, causal or not, both modes, both CPU kernels, MHA/GQA/MQA; float32, bfloat16, flash path."""
-    heads = [(2, 2), (4, 2), (3, 1)]
-    cases = []
-    combinations = [(p, c, m, b) for p in (False, True) for c in (True, False) for m in MODES for b in KERNELS]
-    for number, (packed, causal, mode, backend) in enumerate(combinations):
-        cases.append(Case(packed, causal, mode, backend, heads[number % 3]))
-    cases += [Case(True, True, mode, "auto", (4, 2), torch.float32) for mode in MODES]
-    cases += [Case(False, True, mode, "math", (2, 1), torch.float32) for mode in MODES]
-    cases += [Case(p, c, "allgather", "fake_flash", (4, 2)) for p in (False, True) for c in (True, False)]
-    cases += [Case(True, True, mode, "auto", (4, 2), torch.bfloat16) for mode in MODES]
-    return cases
-
-
-def _check_all_cases(cases: list[Case]) -> list[str]:
-    """Rank body: run every case over the default group and collect failures."""
-    group, cp, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
-    failures = []
-    for seed, case in enumerate(cases):
-        failures += check_case(case, cp, rank, group, seed)
-    return failures
-
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 def test_matches_single_device_reference(cp):
-    outcomes = run_on_ranks(_check_all_cases, cp, all_cases(), timeout=240)
+    outcomes = run_on_ranks(check_all_cases, cp, all_cases(), timeout=240)
     failures = [failure for rank_failures in outcomes for failure in rank_failures]
     assert not failures, "\n".join(failures)
 
@@ -167,7 +91,7 @@ def test_blocks_cut_into_document_groups_give_the_same_results(cp, group_rows, m
     monkeypatch.setattr(kernels, "_MIN_GROUP_ROWS", group_rows)
     split = kernels.build_block_plan(tokens, 0, False, torch.device("cpu"))
     assert sum(map(len, split.blocks)) > sum(map(len, whole.blocks))
-    outcomes = run_on_ranks(_check_all_cases, cp, all_cases(), timeout=240)
+    outcomes = run_on_ranks(check_all_cases, cp, all_cases(), timeout=240)
     failures = [failure for rank_failures in outcomes for failure in rank_failures]
     assert not failures, "\n".join(failures)
 

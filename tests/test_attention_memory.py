@@ -14,9 +14,8 @@ from lightning_cp.core import comm, zigzag
 from lightning_cp.core.attention import api as attention
 from lightning_cp.core.attention import kernels
 from lightning_cp.core.attention.api import zigzag_attention
-from tests.attention_helpers import packed_params
+from tests.attention_helpers import all_cases, check_all_cases, packed_params
 from tests.distributed_harness import run_on_ranks
-from tests.test_attention import _check_all_cases, all_cases
 
 TILES_PER_RANK = 8
 
@@ -80,7 +79,7 @@ def _pairs(tile: kernels.Block) -> int:
 
 @pytest.mark.parametrize("cp", [1, 2, 3])
 def test_small_tiles_match_the_single_device_reference(cp, small_tiles):
-    outcomes = run_on_ranks(_check_all_cases, cp, all_cases(), timeout=240)
+    outcomes = run_on_ranks(check_all_cases, cp, all_cases(), timeout=240)
     failures = [failure for rank_failures in outcomes for failure in rank_failures]
     assert not failures, "\n".join(failures)
 
