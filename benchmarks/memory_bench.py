@@ -14,15 +14,20 @@ this one (gloo), each a fresh process, so a trial's peak memory is its own. Per 
 
 Part 1 measures a 12-layer, 76M-parameter model at every (cp, ddp|fsdp). Part 2 searches, under a per-rank cap on the
 peak, the most layers of that width (the largest model) and the longest sequence of a 2-layer model of that width.
-Each search runs a few trials, each guessed by a straight line through the trials so far (memory is affine in both
-the layer count and the sequence length) and kept inside the bracket of the largest fitting and the smallest failing
-trial; a trial stops as soon as a rank's peak passes the cap.
+Part 3 (``--vocab-search``) searches the longest sequence of a model with a large vocabulary (32768 tokens) under
+fsdp, with the chunked loss (``loss_chunk_tokens``: the logits made a chunk at a time) and with the whole logits:
+the tokens x vocab logits, not the model, then set the length. Each search runs a few trials, each guessed by a
+straight line through the trials so far (memory is affine in both the layer count and the sequence length) and kept
+inside the bracket of the largest fitting and the smallest failing trial; a trial stops as soon as a rank's peak
+passes the cap.
 
-    python benchmarks/memory_bench.py            # about 15 minutes on 2 cores
-    python benchmarks/memory_bench.py --quick    # smaller model, cap and sequences: a few minutes
+    python benchmarks/memory_bench.py                 # parts 1 and 2: about 15 minutes on 2 cores
+    python benchmarks/memory_bench.py --vocab-only    # part 3 alone: about 15 minutes
+    python benchmarks/memory_bench.py --quick         # smaller model, cap and sequences: a few minutes
 
 The tables replace the memory section of ``benchmarks/results/train_bench.md`` (the sequence sweep of
-``train_bench.py`` above it is kept) and the ``memory`` entry of ``train_bench.json``.
+``train_bench.py`` above it is kept) and the ``memory`` entry of ``train_bench.json``; a run of some parts keeps the
+others' tables and data.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import argparse
 import ctypes
 import functools
 import gc
+import json
 import math
 import multiprocessing as mp
 import os
@@ -61,6 +67,7 @@ MIB = 2**20
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
 WIDE = {"vocab_size": 257, "hidden_size": 768, "num_heads": 12, "num_kv_heads": 4, "intermediate_size": 2048}
 QUICK_WIDE = {"vocab_size": 257, "hidden_size": 256, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 704}
+VOCAB_MARK = "<!-- memory_bench.py part 3: large vocabulary -->"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,6 +84,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seq-start", type=int, default=1024, help="first sequence length tried (times cp)")
     ap.add_argument("--max-trials", type=int, default=6, help="trials per search at most")
     ap.add_argument("--skip-search", action="store_true", help="part 1 only")
+    ap.add_argument("--vocab-search", action="store_true", help="also part 3: longest sequence, large vocabulary")
+    ap.add_argument("--vocab-only", action="store_true", help="part 3 only (the report keeps parts 1 and 2)")
+    ap.add_argument("--vocab", type=int, default=32768, help="vocabulary of the part-3 model")
+    ap.add_argument("--vocab-hidden", type=int, default=256, help="hidden size of the part-3 model (64 per head)")
+    ap.add_argument("--vocab-layers", type=int, default=2, help="layers of the part-3 model")
+    ap.add_argument("--vocab-cap-mib", type=float, default=768.0, help="per-rank cap on the training peak in part 3")
+    ap.add_argument("--vocab-cps", default="1,2,4", help="context-parallel sizes of part 3")
+    ap.add_argument("--vocab-modes", default="fsdp", help="data-parallel modes of part 3")
+    ap.add_argument("--vocab-seq-start", type=int, default=2048, help="first sequence length tried at cp=1 in part 3")
+    ap.add_argument(
+        "--loss-chunk-tokens",
+        default="1024,0",
+        help="part-3 loss settings: tokens per logits chunk, 0 for the whole logits at once",
+    )
     ap.add_argument("--trial-timeout", type=float, default=300.0, help="seconds before a trial counts as hung")
     ap.add_argument(
         "--mmap-threshold-kib",
@@ -90,6 +111,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.width = QUICK_WIDE if args.quick else WIDE
     if args.quick:
         args.layers, args.seq, args.steps, args.cap_mib = 4, 512, 1, 320.0
+        args.vocab, args.vocab_hidden, args.vocab_cap_mib, args.loss_chunk_tokens = 8192, 128, 320.0, "256,0"
+    args.vocab_search = args.vocab_search or args.vocab_only
+    heads = max(1, args.vocab_hidden // 64)
+    args.vocab_width = {
+        "vocab_size": args.vocab,
+        "hidden_size": args.vocab_hidden,
+        "num_heads": heads,
+        "num_kv_heads": max(1, heads // 2),
+        "intermediate_size": 11 * args.vocab_hidden // 4,
+    }
     return args
 
 
@@ -178,7 +209,7 @@ class Probe(pl.Callback):
 def train_on_rank(trial: Trial, baseline_mib: float, report: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Train the trial's model for ``1 + steps`` steps on this rank and return its measurements."""
     generator = torch.Generator().manual_seed(trial.seq)
-    tokens = torch.randint(0, 256, (1, trial.seq), generator=generator)
+    tokens = torch.randint(0, trial.width["vocab_size"], (1, trial.seq), generator=generator)
     batch = {"input_ids": tokens, "labels": tokens, "cu_seqlens": torch.tensor([0, trial.seq], dtype=torch.int32)}
     loader = DataLoader([batch] * (1 + trial.steps), batch_size=None)
     model = trial.model()
@@ -304,12 +335,15 @@ def run_trial(trial: Trial, timeout: float, mmap_kib: int) -> dict[str, Any]:
     }
 
 
-def next_guess(points: dict[int, dict[str, Any]], cap: float, first: int, grain: int, step: int) -> int | None:
+def next_guess(
+    points: dict[int, dict[str, Any]], cap: float, first: int, grain: int, step: int, slope: float | None = None
+) -> int | None:
     """Return the next value to try, or ``None`` once the bracket is ``step`` wide.
 
     The guess is where the straight line through two completed trials (the largest two, or the two nearest the
-    bracket once it has both ends; with one trial, a line through the origin) reaches the cap, rounded down to
-    ``grain`` and kept strictly inside (largest fit, smallest failure), at most four times the largest fit.
+    bracket once it has both ends; with one trial, a line of the given ``slope`` in MiB per unit, else through the
+    origin; with none, half the smallest failure) reaches the cap, rounded down to ``grain`` and kept strictly inside
+    (largest fit, smallest failure), at most four times the largest fit.
     """
     fits = [x for x, p in points.items() if p["fits"]]
     fails = [x for x, p in points.items() if not p["fits"]]
@@ -321,7 +355,10 @@ def next_guess(points: dict[int, dict[str, Any]], cap: float, first: int, grain:
         (x0, y0), (x1, y1) = complete[-2:] if low is None or high is None else nearest_pair(complete, low, high)
         guess = x1 + (cap - y1) * (x1 - x0) / (y1 - y0) if y1 > y0 else 2 * x1
     elif complete:
-        guess = complete[0][0] * cap / complete[0][1]
+        [(x0, y0)] = complete
+        guess = x0 + (cap - y0) / slope if slope else x0 * cap / y0
+    elif high is not None:
+        guess = high / 2
     else:
         return first
     guess = max(grain, int(guess) // grain * grain)
@@ -346,14 +383,18 @@ def search(
     grain: int,
     relative_step: float,
     max_trials: int,
+    slope: float | None = None,
 ) -> dict[str, Any]:
-    """Search the largest value whose trial fits under ``cap``; return it, the trials and the bracket."""
+    """Search the largest value whose trial fits under ``cap``; return it, the trials and the bracket.
+
+    ``slope`` (MiB per unit, if known) guides the second trial, which otherwise follows a line through the origin.
+    """
     points = dict(known)
     trials = 0
     while trials < max_trials:
         low = max((x for x, p in points.items() if p["fits"]), default=0)
         step = max(grain, math.ceil(low * relative_step / grain) * grain)
-        guess = next_guess(points, cap, first, grain, step)
+        guess = next_guess(points, cap, first, grain, step, slope)
         if guess is None:
             break
         points[guess] = measure(guess)
@@ -405,6 +446,60 @@ def capped_trial(args: argparse.Namespace, cp: int, mode: str, field: str, value
     sizes = {"num_layers": args.layers if field == "num_layers" else args.seq_layers, "seq": args.seq, field: value}
     trial = Trial(cp, mode, sizes["num_layers"], sizes["seq"], 1, args.width, args.cap_mib)
     return run_trial(trial, args.trial_timeout, args.mmap_threshold_kib)
+
+
+def part3(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Search the longest sequence of the large-vocabulary model under its cap, per loss setting, mode and cp.
+
+    The first trial at a larger cp is the ideal scaling, ``cp / first_cp`` times the first cp's longest sequence,
+    and the second follows the first cp's memory per token per rank.
+    """
+    cps = [int(cp) for cp in args.vocab_cps.split(",")]
+    searches: dict[str, dict[str, Any]] = {}
+    for chunk in (int(c) for c in args.loss_chunk_tokens.split(",")):
+        for mode in args.vocab_modes.split(","):
+            base = searches_key(chunk, cps[0], mode)
+            for cp in cps:
+                reference = searches.get(base, {})
+                best = reference.get("largest_fit")
+                first = best * cp // cps[0] if best else args.vocab_seq_start * cp
+                line = fitted_line(reference, args.vocab_cap_mib) if best else None
+                slope = line[0] * cps[0] / cp if line else None
+                print(f"part 3 loss chunk {chunk} cp={cp} {mode}: sequence length", flush=True)
+                measure = functools.partial(vocab_trial, args, cp, mode, chunk)
+                searches[searches_key(chunk, cp, mode)] = guarded(
+                    measure, {}, args.vocab_cap_mib, first, 256, 1 / 16, args.max_trials, slope
+                )
+    return searches
+
+
+def searches_key(chunk: int, cp: int, mode: str) -> str:
+    """Return the key of one part-3 search."""
+    return f"{chunk}/{cp}/{mode}"
+
+
+def vocab_trial(args: argparse.Namespace, cp: int, mode: str, chunk: int, seq: int) -> dict[str, Any]:
+    """Run one part-3 trial (a warm-up and one more step under the cap) of ``seq`` tokens."""
+    width = {**args.vocab_width, "loss_chunk_tokens": chunk}
+    trial = Trial(cp, mode, args.vocab_layers, seq, 1, width, args.vocab_cap_mib)
+    return run_trial(trial, args.trial_timeout, args.mmap_threshold_kib)
+
+
+def fitted_line(found: dict[str, Any], cap: float) -> tuple[float, float, float] | None:
+    """Return the slope (MiB per unit), the intercept and where it meets ``cap`` (inside the bracket) of the line
+    through the two completed trials nearest a search's bracket, or ``None`` with fewer than two."""
+    points = {int(x): p for x, p in found.get("points", {}).items()}
+    complete = sorted((x, p["peak_mib"]) for x, p in points.items() if p["complete"])
+    low, high = found.get("largest_fit"), found.get("smallest_failure")
+    if len(complete) < 2 or low is None:
+        return None
+    (x0, y0), (x1, y1) = nearest_pair(complete, low, high if high is not None else low)
+    if y1 <= y0:
+        return None
+    slope = (y1 - y0) / (x1 - x0)
+    intercept = y0 - slope * x0
+    at_cap = max(low, (cap - intercept) / slope)
+    return slope, intercept, at_cap if high is None else min(at_cap, high)
 
 
 def guarded(measure: Callable[[int], dict[str, Any]], *search_args: Any) -> dict[str, Any]:
@@ -512,16 +607,122 @@ def report(args: argparse.Namespace, configs: list[tuple[int, str]], results: di
     return "\n".join(lines) + "\n"
 
 
+def vocab_report(args: argparse.Namespace, searches: dict[str, dict[str, Any]], wall_s: float) -> str:
+    """Return the markdown of part 3."""
+    cps = [int(cp) for cp in args.vocab_cps.split(",")]
+    chunks = [int(c) for c in args.loss_chunk_tokens.split(",")]
+    modes = args.vocab_modes.split(",")
+    cap = args.vocab_cap_mib
+    any_point = next((p for f in searches.values() for p in f.get("points", {}).values() if p["complete"]), None)
+    size = f" ({any_point['parameters'] / 1e6:.1f}M parameters" if any_point else " ("
+    embedding = args.vocab * args.vocab_hidden
+    lines = [
+        f"### Longest sequence with a {args.vocab}-token vocabulary under {cap:.0f} MiB per rank",
+        "",
+        f"Model `LlamaLM` {args.vocab_width}, {args.vocab_layers} layers{size}, {embedding / 1e6:.1f}M of them the "
+        f"tied embedding / output head), {', '.join(modes)}; measured as above (each trial a warm-up and one more "
+        "step; peak = the largest rank's resident-set high-water mark above an idle process). Loss: "
+        "`loss_chunk_tokens = N` makes each rank's logits N tokens at a time (`cp_chunked_cross_entropy`, recomputed "
+        "in backward); `0` is the whole `[S / cp, vocab]` logits at once. Searched over S in steps of 256 tokens, to "
+        "within 1/16; a larger cp starts at cp x the cp=1 result (the ideal scaling). The line through the two trials "
+        "nearest the bracket gives the memory per 1k tokens per rank, the peak at 0 tokens (model state, the chunk's "
+        "logits, buffers) and S at the cap (the interpolated longest S).",
+        "",
+        "| loss chunk (tokens) | cp | data parallel | longest S | tokens / rank | peak (MiB) | first failing S "
+        "| model state / rank (MiB) | MiB per 1k tokens / rank | peak at 0 tokens (MiB) | S at cap (line) "
+        "| longest S / (cp x longest S at cp=1) | same, S at cap | trials |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for chunk in chunks:
+        for mode in modes:
+            base = searches.get(searches_key(chunk, cps[0], mode), {})
+            base_line = fitted_line(base, cap)
+            for cp in cps:
+                lines.append(
+                    vocab_row(searches[searches_key(chunk, cp, mode)], chunk, cp, mode, cap, cps[0], base, base_line)
+                )
+    lines += [
+        "",
+        f"Part 3 wall time {wall_s:.0f} s; 5-minute load average at the end {os.getloadavg()[1]:.1f} on "
+        f"{os.cpu_count()} cores.",
+        f"Command: `python benchmarks/memory_bench.py{''.join(' ' + arg for arg in sys.argv[1:])}`",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def vocab_row(
+    found: dict[str, Any],
+    chunk: int,
+    cp: int,
+    mode: str,
+    cap: float,
+    base_cp: int,
+    base: dict[str, Any],
+    base_line: tuple[float, float, float] | None,
+) -> str:
+    """Return one table row of part 3: the search's result, its fitted line and the scaling against ``base_cp``."""
+    head = f"| {chunk or 'whole logits'} | {cp} | {mode} |"
+    if "error" in found:
+        return f"{head} search failed: {found['error'].splitlines()[0]} |" + " |" * 10
+    best, failure = found["largest_fit"], found["smallest_failure"] or "-"
+    if best is None:
+        return f"{head} none | - | - | {failure} |" + " - |" * 6 + f" {found['trials']} |"
+    point = found["points"][str(best)]
+    line = fitted_line(found, cap)
+    per_1k = f"{line[0] * cp * 1024:.1f}" if line else "-"
+    intercept = f"{line[1]:.0f}" if line else "-"
+    at_cap = f"{line[2]:.0f}" if line else "-"
+    scale = cp / base_cp
+    measured = scaling(best, base.get("largest_fit"), scale)
+    interpolated = scaling(line[2] if line else None, base_line[2] if base_line else None, scale)
+    return (
+        f"{head} {best} | {best // cp} | {point['peak_mib']:.0f} | {failure} | {point['model_state_mib']:.1f} "
+        f"| {per_1k} | {intercept} | {at_cap} | {measured} | {interpolated} | {found['trials']} |"
+    )
+
+
+def scaling(value: float | None, reference: float | None, factor: float) -> str:
+    """Return ``value / (factor x reference)`` to two decimals, or ``-`` when either is missing."""
+    return f"{value / (factor * reference):.2f}" if value and reference else "-"
+
+
+def merged_section(out: Path, main_text: str | None, vocab_text: str | None) -> str:
+    """Return the memory section: the new text of the parts that ran, the report's old text of the others."""
+    old = out.read_text().partition(SECTION)[2] if out.exists() else ""
+    old_main, _, old_vocab = old.partition(VOCAB_MARK)
+    main_part = (old_main if main_text is None else main_text).strip()
+    vocab_part = (old_vocab if vocab_text is None else vocab_text).strip()
+    text = main_part + ("\n\n" if main_part and vocab_part else "")
+    return text + (f"{VOCAB_MARK}\n\n{vocab_part}" if vocab_part else "") + "\n"
+
+
+def merged_data(out: Path, main: dict[str, Any] | None, vocab: dict[str, Any] | None) -> dict[str, Any]:
+    """Return the ``memory`` entry of the JSON: the new results of the parts that ran, the old ones of the others."""
+    path = out.with_suffix(".json")
+    old = json.loads(path.read_text()).get("memory", {}) if path.exists() else {}
+    data = {k: v for k, v in old.items() if k != "vocab"} if main is None else dict(main)
+    vocab = old.get("vocab") if vocab is None else vocab
+    return {**data, "vocab": vocab} if vocab else data
+
+
 def main() -> None:
-    """Run both parts and update the report."""
+    """Run the selected parts and update the report (keeping the tables of the parts that did not run)."""
     args = parse_args()
-    configs = [(int(cp), mode) for cp in args.cps.split(",") for mode in args.modes.split(",")]
-    start = time.perf_counter()
-    results: dict[str, Any] = {"settings": {k: str(v) for k, v in vars(args).items()}, "part1": part1(args, configs)}
-    if not args.skip_search:
-        results.update(part2(args, configs, results["part1"]))
-    text = report(args, configs, results, time.perf_counter() - start)
-    save_results(args.out, "memory", results, text)
+    settings = {k: str(v) for k, v in vars(args).items()}
+    main_text = vocab_text = results = vocab = None
+    if not args.vocab_only:
+        configs = [(int(cp), mode) for cp in args.cps.split(",") for mode in args.modes.split(",")]
+        start = time.perf_counter()
+        results = {"settings": settings, "part1": part1(args, configs)}
+        if not args.skip_search:
+            results.update(part2(args, configs, results["part1"]))
+        main_text = report(args, configs, results, time.perf_counter() - start)
+    if args.vocab_search:
+        start = time.perf_counter()
+        vocab = {"settings": settings, "seq": part3(args)}
+        vocab_text = vocab_report(args, vocab["seq"], time.perf_counter() - start)
+    text = merged_section(args.out, main_text, vocab_text)
+    save_results(args.out, "memory", merged_data(args.out, results, vocab), text)
     print(text)
 
 
