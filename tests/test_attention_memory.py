@@ -67,6 +67,26 @@ def test_key_pieces_hold_early_and_late_keys_alike():
             assert max(work) - min(work) <= 8, f"source {src} piece {piece}: pairs per rank {work}"
 
 
+def test_causal_tiles_cover_the_triangle_once_in_small_diagonal_squares():
+    """A causal square of local rows 100..399 against columns 0..299: every visible pair in exactly one tile, causal
+    tiles only along the diagonal and at most ``_CAUSAL_LEAF_ROWS`` rows."""
+    size, shift = 300, 100
+    tiles = kernels._causal_tiles(torch.arange(shift, shift + size), torch.arange(size))
+    covered = torch.zeros(size, size, dtype=torch.int64)
+    for tile in tiles:
+        row, col = (torch.arange(index.start, index.stop) for index in (tile.rows, tile.cols))
+        row = row - shift
+        assert tile.mask is None
+        if tile.causal:
+            assert row.numel() <= kernels._CAUSAL_LEAF_ROWS and torch.equal(row, col)
+        else:
+            assert int(col.max()) < int(row.min()), "a full tile lies below the diagonal"
+        seen = torch.ones(row.numel(), col.numel(), dtype=torch.int64)
+        covered[row.unsqueeze(1), col.unsqueeze(0)] += seen.tril() if tile.causal else seen
+    assert torch.equal(covered, torch.ones(size, size, dtype=torch.int64).tril())
+    assert sum(tile.causal for tile in tiles) == 8
+
+
 def _pairs(tile: kernels.Block) -> int:
     """Visible pairs of one tile."""
     rows, cols = (

@@ -36,6 +36,9 @@ _MIN_TILE_ROWS = 256
 # Forward tiles span this many rows of backward tiles: the forward holds no gradients, and ATen's CPU flash kernel
 # uses its larger query blocks from 768 rows on.
 _FORWARD_TILES = 4
+# Causal tiles are cut into diagonal squares of at most this many rows and the full rectangles beside them: ATen's
+# CPU flash kernels skip masked keys only in 512-key blocks, so a larger causal tile costs almost its whole square.
+_CAUSAL_LEAF_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -443,13 +446,13 @@ def _forward_columns(block: Block, i: Tensor, count: int) -> list[Tensor]:
 
 
 def _sub_block(block: Block, rows: Tensor, cols: Tensor, i: Tensor, j: Tensor) -> list[Block]:
-    """Positions ``i`` x ``j`` of ``block`` as a tile addressing ``rows[i]`` x ``cols[j]``, or none if no pair there
-    attends."""
-    mask, causal = None, False
+    """Positions ``i`` x ``j`` of ``block`` as a tile addressing ``rows[i]`` x ``cols[j]`` (a causal square as
+    ``_causal_tiles``), or none if no pair there attends."""
+    mask = None
     if block.causal:  # query i sees key j iff j <= i, positions within the block
         if torch.equal(i, j):
-            causal = True
-        elif int(i.min()) < int(j.max()):
+            return _causal_tiles(rows[i], cols[j])
+        if int(i.min()) < int(j.max()):
             if int(i.max()) < int(j.min()):
                 return []
             mask = j.unsqueeze(0) <= i.unsqueeze(1)
@@ -458,7 +461,17 @@ def _sub_block(block: Block, rows: Tensor, cols: Tensor, i: Tensor, j: Tensor) -
         if not bool(mask.any()):
             return []
         mask = None if bool(mask.all()) else mask
-    return [Block(_as_index(rows[i]), _as_index(cols[j]), mask, causal)]
+    return [Block(_as_index(rows[i]), _as_index(cols[j]), mask)]
+
+
+def _causal_tiles(rows: Tensor, cols: Tensor) -> list[Block]:
+    """A causal square (row ``n`` sees columns ``<= n``) as causal squares of at most ``_CAUSAL_LEAF_ROWS`` rows along
+    its diagonal and, halving, the full rectangles below them."""
+    if rows.numel() <= _CAUSAL_LEAF_ROWS:
+        return [Block(_as_index(rows), _as_index(cols), causal=True)]
+    half = rows.numel() // 2
+    below = Block(_as_index(rows[half:]), _as_index(cols[:half]))
+    return [*_causal_tiles(rows[:half], cols[:half]), below, *_causal_tiles(rows[half:], cols[half:])]
 
 
 def _as_index(local: Tensor) -> slice | Tensor:
