@@ -304,29 +304,35 @@ def _shard_trial(workload: Workload, mode: str, track_memory: bool) -> dict[str,
     return {"peak": peak} if track_memory else {"seconds": seconds, "thread": thread}
 
 
-def _trial(workload: Workload, cp: int, mode: str, checkout: Path | None) -> dict[str, float]:
-    """Peak MiB of the highest rank (a run with memory tracking) and CPU seconds of the slowest rank, all threads and
-    the calling one (a run without), of one trial, with this code or, in a child interpreter, the code at
-    ``checkout``."""
+def _trial(workload: Workload, cp: int, mode: str, checkout: Path | None, timed: bool = True) -> dict[str, float]:
+    """Peak MiB of the highest rank (a run with memory tracking) and, if ``timed``, CPU seconds of the slowest rank,
+    all threads and the calling one (a run without), of one trial, with this code or, in a child interpreter, the code
+    at ``checkout``."""
     if checkout is not None:
         spec = {"name": workload.name, "lengths": workload.lengths, "packed": workload.packed, "cp": cp, "mode": mode}
         env = {**os.environ, "PYTHONPATH": str(checkout)}
-        command = [sys.executable, __file__, "--trial", json.dumps(spec)]
+        command = [sys.executable, __file__, "--trial", json.dumps({**spec, "timed": timed})]
         result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         if result.returncode:
             raise RuntimeError(f"trial {spec} with {checkout} failed:\n{result.stderr[-3000:]}")
         return json.loads(result.stdout.splitlines()[-1])
+    peak = max(rank["peak"] for rank in launch(_shard_trial, cp, workload, mode, True))
+    if not timed:
+        return {"peak": peak}
     timing = launch(_shard_trial, cp, workload, mode, False, track_memory=False)
     return {
-        "peak": max(rank["peak"] for rank in launch(_shard_trial, cp, workload, mode, True)),
+        "peak": peak,
         "seconds": max(rank["seconds"] for rank in timing),
         "thread": max(rank["thread"] for rank in timing),
     }
 
 
-def efficiency_table(totals: Sequence[int], cps: Sequence[int], baseline: Path | None) -> str:
+def efficiency_table(
+    totals: Sequence[int], memory_totals: Sequence[int], cps: Sequence[int], baseline: Path | None
+) -> str:
     """Peak memory per rank against the ideal (single-process SDPA's peak / cp) and parallel efficiency (the slowest
-    rank's CPU seconds x cp / SDPA's CPU seconds for the same work), both modes, dense and packed."""
+    rank's CPU seconds x cp / SDPA's CPU seconds for the same work), both modes, dense and packed; at
+    ``memory_totals`` tokens only the memory (efficiency '-')."""
     columns = "before -> after" if baseline else "value"
     compared = (
         f"; {columns}: the checkout {baseline} (the code before) and this one, config by config" if baseline else ""
@@ -339,29 +345,31 @@ def efficiency_table(totals: Sequence[int], cps: Sequence[int], baseline: Path |
         "the tokens / cp), target <= 1.2; efficiency = the slowest rank's CPU seconds x cp / SDPA's CPU seconds for "
         "the same work at one thread (packed: SDPA per document), target <= 1.1, counting all the rank's threads "
         "(compute and gloo's copying through loopback sockets) or the compute thread alone; CPU time, not wall time, "
-        f"since the ranks share the cores){compared}",
+        f"since the ranks share the cores; '-': not timed){compared}",
         "",
         f"| workload | cp | mode | peak MiB per rank ({columns}) | memory ({columns}) | efficiency, all threads "
         f"({columns}) | efficiency, compute thread ({columns}) |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for total in totals:
+    for total in sorted({*totals, *memory_totals}):
+        timed = total in totals
         for workload in workloads(total)[:2]:
             (memory,) = launch(_sdpa_reference, 1, workload, True)
-            (timing,) = launch(_sdpa_reference, 1, workload, False, track_memory=False)
-            sdpa_peak, sdpa_seconds = memory["peak"], timing["seconds"]
-            lines.append(
-                f"| {workload.name} | SDPA | 1 process | {sdpa_peak:.0f} | 1.00 | 1.00 ({sdpa_seconds:.1f} s) | 1.00 |"
-            )
+            sdpa_peak = memory["peak"]
+            if timed:
+                (timing,) = launch(_sdpa_reference, 1, workload, False, track_memory=False)
+                sdpa_seconds = timing["seconds"]
+            reference = f"1.00 ({sdpa_seconds:.1f} s) | 1.00" if timed else "- | -"
+            lines.append(f"| {workload.name} | SDPA | 1 process | {sdpa_peak:.0f} | 1.00 | {reference} |")
             for cp in cps:
                 for mode in ("allgather", "ring"):
-                    runs = [_trial(workload, cp, mode, checkout) for checkout in ([baseline] if baseline else [])]
-                    runs.append(_trial(workload, cp, mode, None))
+                    checkouts = [baseline] if baseline else []
+                    runs = [_trial(workload, cp, mode, checkout, timed) for checkout in [*checkouts, None]]
                     cells = [
                         [f"{run['peak']:.0f}" for run in runs],
                         [f"{run['peak'] / (sdpa_peak / cp):.2f}" for run in runs],
-                        [f"{run['seconds'] * cp / sdpa_seconds:.2f}" for run in runs],
-                        [f"{run['thread'] * cp / sdpa_seconds:.2f}" for run in runs],
+                        [f"{run['seconds'] * cp / sdpa_seconds:.2f}" if timed else "-" for run in runs],
+                        [f"{run['thread'] * cp / sdpa_seconds:.2f}" if timed else "-" for run in runs],
                     ]
                     lines.append(f"| {workload.name} | {cp} | {mode} | {' | '.join(' -> '.join(c) for c in cells)} |")
     return "\n".join(lines)
@@ -468,7 +476,7 @@ def _run_trial(spec: str) -> None:
     """``--trial``: measure one trial with whatever ``lightning_cp`` this interpreter imports; print JSON."""
     fields = json.loads(spec)
     workload = Workload(fields["name"], tuple(fields["lengths"]), fields["packed"])
-    print(json.dumps(_trial(workload, fields["cp"], fields["mode"], None)))
+    print(json.dumps(_trial(workload, fields["cp"], fields["mode"], None, fields["timed"])))
 
 
 def main() -> None:
@@ -478,6 +486,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument("--baseline", type=Path, help="another checkout: before/after memory and efficiency")
     parser.add_argument("--efficiency-tokens", default="16384,32768", help="token counts of the efficiency table")
+    parser.add_argument("--memory-tokens", default="65536", help="token counts of memory-only rows in that table")
     parser.add_argument("--only-efficiency", action="store_true", help="only the memory and efficiency table")
     parser.add_argument("--trial", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -488,13 +497,14 @@ def main() -> None:
     _track_live_memory()
     balance_tokens, modes_tokens, repeats = (8192, 2048, 2) if args.quick else (32768, 8192, 3)
     efficiency_tokens = [4096] if args.quick else [int(x) for x in args.efficiency_tokens.split(",")]
+    memory_tokens = [8192] if args.quick else [int(x) for x in args.memory_tokens.split(",") if x]
     started = time.perf_counter()
     sections = (
         []
         if args.only_efficiency
         else [balance_table(balance_tokens, 4, repeats), modes_table(modes_tokens, (2, 4), repeats)]
     )
-    sections.append(efficiency_table(efficiency_tokens, (1, 2, 4), args.baseline))
+    sections.append(efficiency_table(efficiency_tokens, memory_tokens, (1, 2, 4), args.baseline))
     if not args.only_efficiency:
         sections.append(rule_table())
     command = " ".join(["python", "benchmarks/attention_bench.py", *sys.argv[1:]])
