@@ -111,7 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.width = QUICK_WIDE if args.quick else WIDE
     if args.quick:
         args.layers, args.seq, args.steps, args.cap_mib = 4, 512, 1, 320.0
-        args.vocab, args.vocab_hidden, args.vocab_cap_mib, args.loss_chunk_tokens = 8192, 128, 320.0, "256,0"
+        args.vocab, args.vocab_hidden, args.vocab_cap_mib, args.loss_chunk_tokens = 8192, 128, 192.0, "256,0"
     args.vocab_search = args.vocab_search or args.vocab_only
     heads = max(1, args.vocab_hidden // 64)
     args.vocab_width = {
@@ -620,13 +620,17 @@ def vocab_report(args: argparse.Namespace, searches: dict[str, dict[str, Any]], 
         f"### Longest sequence with a {args.vocab}-token vocabulary under {cap:.0f} MiB per rank",
         "",
         f"Model `LlamaLM` {args.vocab_width}, {args.vocab_layers} layers{size}, {embedding / 1e6:.1f}M of them the "
-        f"tied embedding / output head), {', '.join(modes)}; measured as above (each trial a warm-up and one more "
-        "step; peak = the largest rank's resident-set high-water mark above an idle process). Loss: "
-        "`loss_chunk_tokens = N` makes each rank's logits N tokens at a time (`cp_chunked_cross_entropy`, recomputed "
-        "in backward); `0` is the whole `[S / cp, vocab]` logits at once. Searched over S in steps of 256 tokens, to "
-        "within 1/16; a larger cp starts at cp x the cp=1 result (the ideal scaling). The line through the two trials "
-        "nearest the bracket gives the memory per 1k tokens per rank, the peak at 0 tokens (model state, the chunk's "
-        "logits, buffers) and S at the cap (the interpolated longest S).",
+        f"tied embedding / output head), {', '.join(modes)}, float32, AdamW, one packed document of S tokens per step "
+        "(S / cp per rank); each trial, a warm-up and one more training step, forks its cp ranks afresh (gloo). Peak = "
+        "the largest rank's resident-set high-water mark during training above an idle process (mark reset once the "
+        f"model is set up; glibc's mmap threshold {args.mmap_threshold_kib or 'default'} KiB in the ranks). Loss: "
+        "`loss_chunk_tokens = N` makes each rank's "
+        "logits N tokens at a time (`cp_chunked_cross_entropy`, recomputed in backward); `0` (whole logits) makes the "
+        "rank's `[S / cp, vocab]` logits at once. Searched over S in steps of 256 tokens, to within 1/16; a larger cp "
+        "starts at cp x the cp=1 result (the ideal scaling), so the ratio column reads 1.00 for length growing exactly "
+        "with cp. The line through the two completed trials nearest the bracket gives the memory per 1k tokens per "
+        "rank, the peak at 0 tokens (model state, the loss's fixed working set, buffers) and S at the cap (the "
+        "interpolated longest S).",
         "",
         "| loss chunk (tokens) | cp | data parallel | longest S | tokens / rank | peak (MiB) | first failing S "
         "| model state / rank (MiB) | MiB per 1k tokens / rank | peak at 0 tokens (MiB) | S at cap (line) "
