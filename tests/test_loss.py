@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_cp import cp_chunked_cross_entropy, cp_cross_entropy
+from lightning_cp.core import loss
 from lightning_cp.core.mesh import ParallelDims, build_context_parallel_mesh
 from lightning_cp.core.step import ContextParallelSetting, ContextParallelStep, activated
 from tests.distributed_harness import run_on_ranks
@@ -96,3 +98,48 @@ def test_chunked_loss_equals_the_whole_logits_loss_and_never_makes_them_all() ->
     assert torch.allclose(chunk_features.grad, whole_features.grad, rtol=1e-12, atol=1e-15)
     assert torch.allclose(chunk_weight.grad, whole_weight.grad, rtol=1e-12, atol=1e-15)
     assert seen[:3] == [5, 5, 2] and sorted(seen[3:]) == [2, 5, 5], seen  # forward, then the recomputation
+
+
+def test_chunked_loss_in_bfloat16_stays_within_bfloat16_rounding() -> None:
+    """bf16 hidden states and head: the chunked loss and gradients against float64 cross-entropy of the same bf16
+    values, within bf16's rounding (relative 1e-2)."""
+    features, weight, labels = problem()
+    count = int((labels != -100).sum())
+    low = [x.to(torch.bfloat16).requires_grad_(True) for x in (features, weight)]
+    exact = [x.detach().double().requires_grad_(True) for x in low]
+    expected = cp_cross_entropy(exact[0] @ exact[1], labels, count)
+    expected.loss.backward()
+    result = cp_chunked_cross_entropy(low[0], lambda hidden: hidden @ low[1], labels, count, chunk_tokens=4)
+    result.loss.backward()
+    assert result.loss.dtype == torch.bfloat16
+    assert abs(result.loss.double() - expected.loss) <= 1e-2 * expected.loss
+    for got, want in zip(low, exact, strict=True):
+        assert (got.grad.double() - want.grad).norm() <= 1e-2 * want.grad.norm()
+
+
+@pytest.mark.parametrize("head_kind", ["linear", "linear-bias-scaled", "tanh"])
+def test_chunked_loss_reuses_logits_only_when_the_head_does_not_keep_them(head_kind) -> None:
+    """The backward overwrites a linear head's logits with their gradient; a head whose backward needs its output
+    (tanh) gets a fresh gradient buffer: the gradients match cross-entropy of the whole logits either way."""
+    features, weight, labels = problem()
+    count = int((labels != -100).sum())
+    bias = torch.randn(VOCAB, dtype=torch.float64)
+    heads = {
+        "linear": lambda hidden, w: hidden @ w,
+        "linear-bias-scaled": lambda hidden, w: (hidden @ w + bias) * 0.5,
+        "tanh": lambda hidden, w: torch.tanh(hidden @ w),
+    }
+    head = heads[head_kind]
+    grads = []
+    for chunk in (None, 5):
+        x, w = features.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        if chunk is None:
+            result = cp_cross_entropy(head(x, w), labels, count)
+        else:
+            result = cp_chunked_cross_entropy(x, lambda hidden, w=w: head(hidden, w), labels, count, chunk)
+        result.loss.backward()
+        grads.append((x.grad, w.grad))
+    for got, want in zip(grads[1], grads[0], strict=True):
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-15)
+    logits = head(features.requires_grad_(True), weight)
+    assert loss._logits_reusable(logits.reshape(-1, VOCAB)) == (head_kind != "tanh")

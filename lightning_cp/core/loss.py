@@ -41,9 +41,10 @@ def cp_chunked_cross_entropy(
     """``cp_cross_entropy(head(hidden), labels, loss_token_count)`` without the full-vocabulary logits at once.
 
     ``hidden`` ``[B, S, H]`` is cut along the sequence into chunks of about ``chunk_tokens`` tokens; each chunk's
-    logits exist only while its loss is summed and are recomputed in the backward (``torch.utils.checkpoint``), so
-    the loss needs ``chunk_tokens x vocab`` logits instead of ``B x S x vocab``. ``head`` maps ``[B, s, H]`` to
-    ``[B, s, V]`` (the output projection, tensor-parallel styles included).
+    logits exist only while its loss is summed and are recomputed in the backward (``torch.utils.checkpoint``), where
+    they become their own gradient in place when the head is a linear projection, so the loss needs one
+    ``chunk_tokens x vocab`` buffer instead of ``B x S x vocab`` logits. ``head`` maps ``[B, s, H]`` to ``[B, s, V]``
+    (the output projection, tensor-parallel styles included).
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
@@ -57,7 +58,51 @@ def cp_chunked_cross_entropy(
 
 def _head_loss_sum(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor) -> Any:
     """Return the summed token loss of one chunk's logits."""
-    return _token_loss_sum(head(hidden), labels)
+    logits = head(hidden)
+    return _ChunkLossSum.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+_GRADIENT_ROWS = 256
+_VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0"})
+_OUTPUT_FREE_NODES = frozenset({"MmBackward0", "AddmmBackward0", "BmmBackward0", "AddBackward0", "MulBackward0"})
+
+
+def _logits_reusable(logits: torch.Tensor) -> bool:
+    """Whether the op that made ``logits`` (a matmul, its bias or scale; views looked through) keeps none of its
+    output for its backward, so the loss's backward may overwrite them with their gradient."""
+    node = logits.grad_fn
+    while node is not None and type(node).__name__ in _VIEW_NODES:
+        node = node.next_functions[0][0]
+    return node is not None and type(node).__name__ in _OUTPUT_FREE_NODES
+
+
+class _ChunkLossSum(torch.autograd.Function):
+    """``_token_loss_sum`` of one chunk's logits whose backward computes their gradient (softmax minus one-hot) a
+    slice of rows at a time, into the logits themselves when nothing else needs them (``_logits_reusable``): one
+    logits buffer per chunk instead of logits, log-softmax and two gradients."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        valid = labels != IGNORE_INDEX
+        targets = labels.masked_fill(~valid, 0)
+        accumulate = torch.promote_types(logits.dtype, torch.float32)
+        lse = torch.logsumexp(logits.to(accumulate), dim=-1)
+        target_logits = logits.gather(1, targets.unsqueeze(1)).squeeze(1).to(accumulate)
+        ctx.save_for_backward(logits, lse, targets, valid)
+        ctx.reusable = _logits_reusable(logits)
+        return ((lse - target_logits) * valid).sum().to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        logits, lse, targets, valid = ctx.saved_tensors
+        grad = logits if ctx.reusable else torch.empty_like(logits)
+        scale = valid * grad_output.to(lse.dtype)
+        for rows in range(0, logits.shape[0], _GRADIENT_ROWS):  # exp in the accumulation dtype
+            part = slice(rows, rows + _GRADIENT_ROWS)
+            probs = (logits[part].to(lse.dtype) - lse[part].unsqueeze(1)).exp_()
+            probs.scatter_add_(1, targets[part].unsqueeze(1), -torch.ones_like(probs[:, :1]))
+            grad[part] = probs.mul_(scale[part].unsqueeze(1))
+        return grad, None
 
 
 def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
