@@ -37,6 +37,9 @@ def _check_dense(cp, tp, logical, groups, seq_dim) -> None:
     restored.backward(take(upstream, contiguous, seq_dim))
     assert torch.equal(zigzag_local.grad, take(upstream, zigzag, seq_dim))
     assert torch.equal(converted, take(sequence, zigzag, seq_dim)), "a later conversion overwrote an earlier output"
+    with torch.no_grad():
+        assert torch.equal(contiguous_to_zigzag(local, *groups, seq_dim=seq_dim), converted)
+        assert torch.equal(zigzag_to_contiguous(converted, *groups, seq_dim=seq_dim), local)
 
 
 def _replay(plan, rows: torch.Tensor, group, to_zigzag: bool) -> torch.Tensor:
@@ -101,6 +104,7 @@ def _check_packed(cp, tp, logical, groups, cu, cu_padded, seq_dim) -> None:
     hand_built = dataclasses.replace(plan)  # a plan made outside the builder derives its moves at first use
     lazy = contiguous_to_zigzag(shaped(stream[own]), *groups, thd_plan=hand_built, seq_dim=seq_dim)
     assert torch.equal(lazy, converted)
+    assert torch.equal(zigzag_to_contiguous(lazy, *groups, thd_plan=hand_built, seq_dim=seq_dim), shaped(stream[own]))
 
 
 def _conversion_checks(cp: int, tp: int, tp_fastest: bool) -> int:
@@ -116,7 +120,9 @@ def _conversion_checks(cp: int, tp: int, tp_fastest: bool) -> int:
             _check_dense(cp_size, tp_size, logical, groups, seq_dim)
             checks += 1
         cases = [random_packed_case(generator, cp_size, tp_size, padding) for padding in (False, True, True)]
-        cases.append(([0, 2 * cp_size * tp_size, 4 * cp_size * tp_size], None))
+        ranks = cp_size * tp_size
+        cases.append(([0, 2 * ranks, 4 * ranks], None))
+        cases.append(([0, 150 * ranks + 1, 300 * ranks - 5, 600 * ranks], None))  # long runs, little padding
         for index, (cu, cu_padded) in enumerate(cases):
             _check_packed(cp_size, tp_size, logical, groups, cu, cu_padded, seq_dim=index % 2)
             checks += 1
@@ -130,4 +136,4 @@ def _conversion_checks(cp: int, tp: int, tp_fastest: bool) -> int:
 )
 def test_conversions_on_gloo_ranks(cp, tp, tp_fastest):
     counts = run_on_ranks(_conversion_checks, cp * tp, cp, tp, tp_fastest, timeout=120)
-    assert counts == [6 if tp == 1 else 12] * (cp * tp)
+    assert counts == [7 if tp == 1 else 14] * (cp * tp)

@@ -14,7 +14,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from lightning_cp.core import comm
-from lightning_cp.core.layout.movers import _SegmentRedistribution, _THDRedistribution, plan_on_device
+from lightning_cp.core.layout.movers import plan_on_device, redistribute_segments, redistribute_tokens
 from lightning_cp.core.layout.plans import (
     THDCPLayoutPlan,
     _build_group_rank_by_logical_rank,
@@ -145,7 +145,7 @@ def _redistribute_layout(
         target_layout, source_layout, *_plan_coordinates(context), context.group_rank_by_logical_rank
     )
     own_rank = _own_group_rank(context)
-    return _SegmentRedistribution.apply(input_, plan, reverse_plan, context.communication_group, seq_dim, own_rank)
+    return redistribute_segments(input_, plan, reverse_plan, context.communication_group, seq_dim, own_rank)
 
 
 def _own_group_rank(context: _LayoutParallelContext) -> int:
@@ -192,7 +192,7 @@ def _redistribute_thd_layout(
         return input_
     to_zigzag = target_layout is CPLayout.ZIGZAG
     own_rank = _own_group_rank(context)
-    return _THDRedistribution.apply(input_, plan, to_zigzag, context.communication_group, seq_dim, own_rank)
+    return redistribute_tokens(input_, plan, to_zigzag, context.communication_group, seq_dim, own_rank)
 
 
 def build_thd_cp_layout_plan(
@@ -234,8 +234,8 @@ def _build_thd_plan_from_host_offsets(
 ) -> THDCPLayoutPlan:
     """Build this rank's THD plan from host offsets, then move it to ``device``.
 
-    The movers keep the host copy, so the data moves they derive from the plan at its first conversion need no
-    device-to-host copy.
+    The movers keep the host copy and the group's rank order, so the data moves they derive from the plan at its first
+    conversion need no device-to-host copy and may send padding where that lets arrivals land in place.
     """
     if isinstance(total_tokens, bool) or not isinstance(total_tokens, int):
         raise ValueError(f"total_tokens must be an int, got {total_tokens!r}")
@@ -250,7 +250,7 @@ def _build_thd_plan_from_host_offsets(
         group_rank_by_logical_rank=context.group_rank_by_logical_rank,
         pad_between_seqs=not torch.equal(zigzag_offsets, cu_seqlens),
     )
-    return plan_on_device(plan, device)
+    return plan_on_device(plan, device, rank_order_indices, context.group_rank_by_logical_rank)
 
 
 def contiguous_to_zigzag(

@@ -72,13 +72,19 @@ def _carried_as_bytes(move: Callable[..., torch.Tensor]) -> Callable[..., torch.
 
 @dataclass(frozen=True)
 class _SegmentMoves:
-    """How one rank's segments move: kept runs copied locally, the rest through the all-to-all (self split 0)."""
+    """How one rank's segments move: kept runs copied locally, the rest through the all-to-all (self split 0).
+
+    ``send_run``/``receive_run`` are the first sent/received slot when those slots are one run of adjacent slots (so
+    the exchange sends from and lands in place), else None.
+    """
 
     kept_runs: tuple[tuple[int, int, int], ...]
     sent_slots: tuple[int, ...]
     received_slots: tuple[int, ...]
     input_segment_counts: tuple[int, ...]
     output_segment_counts: tuple[int, ...]
+    send_run: int | None
+    receive_run: int | None
 
 
 def _runs(pairs: list[tuple[int, int]]) -> tuple[tuple[int, int, int], ...]:
@@ -90,6 +96,13 @@ def _runs(pairs: list[tuple[int, int]]) -> tuple[tuple[int, int, int], ...]:
         else:
             runs.append([source, target, 1])
     return tuple((source, target, count) for source, target, count in runs)
+
+
+def _run_start(slots: tuple[int, ...]) -> int | None:
+    """The first of ``slots`` when they are one increasing run of adjacent slots (0 when empty), else None."""
+    if all(b == a + 1 for a, b in zip(slots, slots[1:], strict=False)):
+        return slots[0] if slots else 0
+    return None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -104,18 +117,17 @@ def _segment_moves(plan: _LayoutRedistributionPlan, own_rank: int) -> _SegmentMo
     pairs = [(plan.send_slots[send_start + k], target_of_received[receive_start + k]) for k in range(kept)]
     input_counts, output_counts = list(plan.input_segment_counts), list(plan.output_segment_counts)
     input_counts[own_rank] = output_counts[own_rank] = 0
+    sent_slots = plan.send_slots[:send_start] + plan.send_slots[send_start + kept :]
+    received_slots = tuple(target_of_received[:receive_start] + target_of_received[receive_start + kept :])
     return _SegmentMoves(
         kept_runs=_runs(sorted(pairs)),
-        sent_slots=plan.send_slots[:send_start] + plan.send_slots[send_start + kept :],
-        received_slots=tuple(target_of_received[:receive_start] + target_of_received[receive_start + kept :]),
+        sent_slots=sent_slots,
+        received_slots=received_slots,
         input_segment_counts=tuple(input_counts),
         output_segment_counts=tuple(output_counts),
+        send_run=_run_start(sent_slots),
+        receive_run=_run_start(received_slots),
     )
-
-
-def _consecutive(slots: tuple[int, ...]) -> bool:
-    """Whether ``slots`` is one increasing run of adjacent slots (or empty)."""
-    return all(b == a + 1 for a, b in zip(slots, slots[1:], strict=False))
 
 
 @_carried_as_bytes
@@ -130,36 +142,50 @@ def _move_segments(
     moves = _segment_moves(plan, own_rank)
     rows = _as_rows(input_, seq_dim)
     before, length, after = rows.shape
-    segment_count = len(plan.send_slots)
-    segment_length = length // segment_count
-    segments = rows.view(before, segment_count, segment_length, after)
+    size = length // len(plan.send_slots)
     output = torch.empty(input_.shape, dtype=input_.dtype, device=input_.device)
-    placed = output.view(before, segment_count, segment_length, after)
+    placed = output.view(before, length, after)
     for source, target, count in moves.kept_runs:
-        placed[:, target : target + count].copy_(segments[:, source : source + count])
+        placed.narrow(1, target * size, count * size).copy_(rows.narrow(1, source * size, count * size))
     sent, received_slots = moves.sent_slots, moves.received_slots
-    if before == 1 and _consecutive(sent):
-        first = sent[0] if sent else 0
-        send = segments[0, first : first + len(sent)].reshape(-1, after)
+    if before == 1 and moves.send_run is not None:
+        send = rows.view(length, after).narrow(0, moves.send_run * size, len(sent) * size)
     else:
-        send = _staging.get("send", (len(sent), before, segment_length, after), input_.dtype, input_.device)
+        send = _staging.get("send", (len(sent), before, size, after), input_.dtype, input_.device)
         for position, slot in enumerate(sent):
-            send[position].copy_(segments[:, slot])
+            send[position].copy_(rows.narrow(1, slot * size, size))
         send = send.view(-1, after)
-    rows_per_segment = before * segment_length
+    rows_per_segment = before * size
     output_splits = [count * rows_per_segment for count in moves.output_segment_counts]
     input_splits = [count * rows_per_segment for count in moves.input_segment_counts]
-    if before == 1 and _consecutive(received_slots):
-        first = received_slots[0] if received_slots else 0
-        landing = placed[0, first : first + len(received_slots)].view(-1, after)
+    if before == 1 and moves.receive_run is not None:
+        landing = placed.view(length, after).narrow(0, moves.receive_run * size, len(received_slots) * size)
         comm.all_to_all_v_into(landing, send, output_splits, input_splits, group)
         return output
-    shape = (len(received_slots), before, segment_length, after)
-    received = _staging.get("receive", shape, input_.dtype, input_.device)
+    received = _staging.get("receive", (len(received_slots), before, size, after), input_.dtype, input_.device)
     comm.all_to_all_v_into(received.view(-1, after), send, output_splits, input_splits, group)
     for index, slot in enumerate(received_slots):
-        placed[:, slot].copy_(received[index])
+        placed.narrow(1, slot * size, size).copy_(received[index])
     return output
+
+
+def _needs_graph(input_: torch.Tensor) -> bool:
+    """Whether a conversion of ``input_`` must record its backward (grad mode on and ``input_`` requires grad)."""
+    return input_.requires_grad and torch.is_grad_enabled()
+
+
+def redistribute_segments(
+    input_: torch.Tensor,
+    plan: _LayoutRedistributionPlan,
+    reverse_plan: _LayoutRedistributionPlan,
+    group: ProcessGroup,
+    seq_dim: int,
+    own_rank: int,
+) -> torch.Tensor:
+    """Dense conversion: through the autograd function when a backward is needed, straight to the mover otherwise."""
+    if _needs_graph(input_):
+        return _SegmentRedistribution.apply(input_, plan, reverse_plan, group, seq_dim, own_rank)
+    return _move_segments(input_, plan, group, seq_dim, own_rank)
 
 
 class _SegmentRedistribution(torch.autograd.Function):
@@ -221,7 +247,7 @@ class _RowMap:
         """Copy the mapped rows of ``source`` into ``destination``."""
         if self.runs is not None:
             for first_source, first_target, count in self.runs:
-                destination[first_target : first_target + count].copy_(source[first_source : first_source + count])
+                destination.narrow(0, first_target, count).copy_(source.narrow(0, first_source, count))
         elif self.sources is None and self.targets is None:
             destination.copy_(source)
         elif self.targets is None and destination.is_contiguous():
@@ -236,11 +262,12 @@ class _RowMap:
 
 @dataclass(frozen=True)
 class _TokenMoves:
-    """One rank's packed conversion in one direction, with the tokens it keeps outside the all-to-all.
+    """One rank's packed conversion in one direction: a local copy of kept tokens and one all-to-all-v.
 
-    ``kept`` copies input tokens that stay on the rank straight into the output and ``zero_slots`` are output padding;
-    ``send`` gathers the moving tokens into the send buffer unless ``send_run`` names them as one run of input rows;
-    ``receive`` places arrivals unless ``receive_run`` names one run of output rows they land on in order.
+    ``kept`` copies input tokens that stay on the rank straight into the output (empty when they travel through the
+    all-to-all's own-rank part instead); ``send`` gathers the send buffer unless ``send_run`` names it as one run of
+    input rows; ``receive`` places arrivals unless ``receive_run`` names one run of output rows they land on in order;
+    ``zero_slots`` are output padding, zeroed last (padding rows may carry any value through the exchange).
     """
 
     kept: _RowMap
@@ -265,100 +292,198 @@ class _TokenMoves:
         )
 
 
-def _first_of_run(indices: torch.Tensor) -> int | None:
-    """The first entry of ``indices`` when they count up by one (0 when empty); None otherwise."""
-    if indices.numel() == 0:
+def _first_of_run(rows: torch.Tensor, length: int) -> int | None:
+    """The first entry of ``rows`` when they count up by one inside ``0 .. length - 1`` (0 when empty); else None."""
+    if rows.numel() == 0:
         return 0
-    if indices.numel() > 1 and not bool((indices[1:] - indices[:-1] == 1).all()):
+    if rows.numel() > 1 and not bool((rows[1:] - rows[:-1] == 1).all()):
         return None
-    return int(indices[0])
+    first = int(rows[0])
+    return first if first >= 0 and first + rows.numel() <= length else None
 
 
-def _without(length: int, start: int, count: int) -> torch.Tensor:
-    """``0 .. length - 1`` without ``start .. start + count - 1``."""
-    return torch.cat([torch.arange(start), torch.arange(start + count, length)])
+def _without(rows: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """``rows`` without its entries ``start .. start + count - 1``."""
+    return torch.cat([rows[:start], rows[start + count :]]) if count else rows
+
+
+def _valid_pairs(sources: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(sources, targets)`` pairs where both are rows (``-1`` marks a row that carries or takes nothing)."""
+    valid = (sources >= 0) & (targets >= 0)
+    if bool(valid.all()):
+        return sources, targets
+    return sources[valid], targets[valid]
 
 
 def _build_token_moves(
-    send_indices: torch.Tensor,
+    send_rows: torch.Tensor,
     input_split_sizes: tuple[int, ...],
+    receive_slots: torch.Tensor,
     output_split_sizes: tuple[int, ...],
     input_length: int,
     output_length: int,
-    receive_indices: torch.Tensor | None,
     own_rank: int,
+    zero_slots: torch.Tensor | None,
 ) -> _TokenMoves:
-    """Split an all-to-all-v conversion (host index tensors) into kept tokens and the exchange of the others.
+    """Turn one rank's all-to-all-v of a conversion (host int64 tensors, rows grouped by group rank) into moves.
 
-    ``send_indices`` are the input rows sent, grouped by destination; ``receive_indices`` gives the arrival each
-    output slot takes (None: arrivals in order; the arrival count: a padding slot, left zero). Arrivals from
-    ``own_rank`` are its own send rows in order, so they are copied instead of sent.
+    ``send_rows[i]`` is the input row send-buffer row ``i`` carries (``-1``: any value, padding the receiver zeroes)
+    and ``receive_slots[i]`` the output row received row ``i`` lands on (``-1``: dropped). The own-rank part either
+    travels inside the all-to-all or is copied directly, whichever moves fewer rows once runs that send from or land
+    in place are counted free (an in-place run may hold padding rows, since ``zero_slots`` are zeroed last).
     """
-    received = sum(output_split_sizes)
-    kept_count = input_split_sizes[own_rank]
-    send_start, receive_start = sum(input_split_sizes[:own_rank]), sum(output_split_sizes[:own_rank])
-    slot_arrivals = torch.arange(output_length) if receive_indices is None else receive_indices
-    used = slot_arrivals < received
-    slot_of_arrival = torch.empty(received, dtype=torch.int64)
-    slot_of_arrival[slot_arrivals[used]] = torch.nonzero(used).flatten()
-
-    kept_slots = slot_of_arrival[receive_start : receive_start + kept_count]
-    kept_sources = send_indices[send_start : send_start + kept_count]
-    kept = _RowMap.build(kept_sources, kept_slots, input_length, output_length)
-    zero_slots = torch.nonzero(~used).flatten()
-
-    moving_sources = send_indices[_without(send_indices.numel(), send_start, kept_count)]
-    send_count = moving_sources.numel()
-    send = _RowMap.build(moving_sources, torch.arange(send_count), input_length, send_count)
-
-    moving_slots = slot_of_arrival[_without(received, receive_start, kept_count)]
-    receive_count = moving_slots.numel()
-    receive = _RowMap.build(torch.arange(receive_count), moving_slots, receive_count, output_length)
-
+    send_start, own_count = sum(input_split_sizes[:own_rank]), input_split_sizes[own_rank]
+    receive_start = sum(output_split_sizes[:own_rank])
+    own_sources, own_targets = _valid_pairs(
+        send_rows[send_start : send_start + own_count], receive_slots[receive_start : receive_start + own_count]
+    )
+    moving_rows = _without(send_rows, send_start, own_count)
+    moving_slots = _without(receive_slots, receive_start, own_count)
+    options = []
+    for travels, rows, slots in ((False, moving_rows, moving_slots), (True, send_rows, receive_slots)):
+        send_run, receive_run = _first_of_run(rows, input_length), _first_of_run(slots, output_length)
+        copied = own_count if travels else own_sources.numel()
+        copied += (rows.numel() if send_run is None else 0) + (slots.numel() if receive_run is None else 0)
+        options.append((copied, travels, rows, slots, send_run, receive_run))
+        if not own_count:
+            break
+    _, travels, rows, slots, send_run, receive_run = min(options, key=lambda option: option[0])
+    send_count, receive_count = rows.numel(), slots.numel()
+    kept = _RowMap(runs=()) if travels else _RowMap.build(own_sources, own_targets, input_length, output_length)
+    send = _RowMap.build(*_valid_pairs(rows, torch.arange(send_count)), input_length, send_count)
+    receive = _RowMap.build(*_valid_pairs(torch.arange(receive_count), slots), receive_count, output_length)
     input_splits, output_splits = list(input_split_sizes), list(output_split_sizes)
-    input_splits[own_rank] = output_splits[own_rank] = 0
+    if not travels:
+        input_splits[own_rank] = output_splits[own_rank] = 0
     return _TokenMoves(
         kept=kept,
-        zero_slots=zero_slots if zero_slots.numel() else None,
+        zero_slots=zero_slots if zero_slots is not None and zero_slots.numel() else None,
         send=send,
         send_count=send_count,
-        send_run=_first_of_run(moving_sources),
+        send_run=send_run,
         receive=receive,
         receive_count=receive_count,
-        receive_run=_first_of_run(moving_slots),
+        receive_run=receive_run,
         input_split_sizes=tuple(input_splits),
         output_split_sizes=tuple(output_splits),
     )
 
 
+_Exchange = tuple[torch.Tensor, tuple[int, ...], torch.Tensor, tuple[int, ...], torch.Tensor]
+"""Send rows, input split sizes, receive slots, output split sizes and padding slots of a contiguous -> zigzag step."""
+
+
 _HOST_PLANS: weakref.WeakKeyDictionary[THDCPLayoutPlan, THDCPLayoutPlan] = weakref.WeakKeyDictionary()
+_RANK_ORDERS: weakref.WeakKeyDictionary[THDCPLayoutPlan, tuple[torch.Tensor, tuple[int, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+_EXCHANGES: weakref.WeakKeyDictionary[THDCPLayoutPlan, dict[int, _Exchange]] = weakref.WeakKeyDictionary()
 _TOKEN_MOVES: weakref.WeakKeyDictionary[THDCPLayoutPlan, dict[tuple[bool, int], _TokenMoves]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def plan_on_device(host_plan: THDCPLayoutPlan, device: torch.device) -> THDCPLayoutPlan:
-    """Move a plan built on the host to ``device``, remembering the host copy so its moves derive without a sync."""
+def plan_on_device(
+    host_plan: THDCPLayoutPlan,
+    device: torch.device,
+    rank_order_indices: torch.Tensor | None = None,
+    group_rank_by_logical_rank: tuple[int, ...] | None = None,
+) -> THDCPLayoutPlan:
+    """Move a plan built on the host to ``device``, remembering the host copy so its moves derive without a sync.
+
+    With the whole group's ``rank_order_indices`` (host) the moves also know every rank's padding slots, so padding
+    may travel and arrivals land in place on the zigzag side (see ``_rank_order_exchange``).
+    """
     plan = host_plan.to(device)
     if plan is not host_plan:
         _HOST_PLANS[plan] = host_plan
         remember_host_copy(plan.cu_seqlens_padded, host_plan.cu_seqlens_padded)
+    if rank_order_indices is not None and group_rank_by_logical_rank is not None:
+        _RANK_ORDERS[host_plan] = (rank_order_indices, group_rank_by_logical_rank)
     return plan
 
 
-def _arrival_of_slot(plan: THDCPLayoutPlan) -> torch.Tensor | None:
-    """Each zigzag slot's arrival (the arrival count for padding); None when the arrivals fill the slots in order."""
-    positions = plan.forward_receive_positions
-    count = positions.numel()
-    if count == plan.zigzag_local_token_count and bool(torch.equal(positions, torch.arange(count))):
+def _in_group_order(
+    rows: torch.Tensor, block_sizes: list[int], group_ranks: tuple[int, ...]
+) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """Reorder ``rows``, blocks of ``block_sizes`` in logical-rank order, into group-rank order, with their sizes."""
+    sizes = [0] * len(group_ranks)
+    for logical, size in enumerate(block_sizes):
+        sizes[group_ranks[logical]] = size
+    if group_ranks == tuple(range(len(group_ranks))):
+        return rows, tuple(sizes)
+    blocks = rows.split(block_sizes)
+    logical_of_group = sorted(range(len(group_ranks)), key=group_ranks.__getitem__)
+    return torch.cat([blocks[logical] for logical in logical_of_group]), tuple(sizes)
+
+
+_PADDING_ROW_COST = 8
+"""Padding travels only while the group sends at most one padding row per this many moving tokens: a padding row on
+the wire is taken to cost as much as copying this many rows locally, and landing in place saves one copy of each."""
+
+
+def _rank_order_exchange(
+    plan: THDCPLayoutPlan, rank_order_indices: torch.Tensor, group_ranks: tuple[int, ...], own_rank: int
+) -> _Exchange | None:
+    """The contiguous -> zigzag exchange of ``own_rank`` with padding travelling, from the group's rank order.
+
+    Every padding slot joins the block of the token after it on its zigzag rank (trailing padding joins none), so each
+    zigzag rank's slots up to its last token are whole blocks, one per source rank in slot order. Returns the send
+    rows (local contiguous rows, ``-1`` for padding), input split sizes, the zigzag slots arrivals land on, output split
+    sizes and this rank's padding slots. None (the same on every rank, since it depends on the whole group only) when
+    tokens are not in source order on some zigzag rank or too much padding would travel.
+    """
+    group_size, zigzag_count = len(group_ranks), plan.zigzag_local_token_count
+    contiguous_count = plan.contiguous_local_token_count
+    logical = group_ranks.index(own_rank)
+    slots = rank_order_indices.view(group_size, zigzag_count)
+    is_token = slots >= 0
+    token_owner = torch.where(is_token, torch.div(slots, max(contiguous_count, 1), rounding_mode="floor"), group_size)
+    owner = token_owner.flip(1).cummin(1).values.flip(1)
+    if not torch.equal(owner[is_token], token_owner[is_token]):
         return None
-    arrival = torch.full((plan.zigzag_local_token_count,), count, dtype=torch.int64)
-    arrival[positions] = torch.arange(count)
-    return arrival
+    moved = owner != torch.arange(group_size).unsqueeze(1)
+    travelling_padding = int((moved & ~is_token & (owner < group_size)).sum())
+    if travelling_padding * _PADDING_ROW_COST > int((moved & is_token).sum()):
+        return None
+    mine = owner == logical
+    sources = slots[mine]
+    send_rows = torch.where(sources >= 0, sources - logical * contiguous_count, -1)
+    send_rows, input_sizes = _in_group_order(send_rows, mine.sum(1).tolist(), group_ranks)
+    own_owner = owner[logical]
+    arrival_counts = torch.bincount(own_owner, minlength=group_size + 1)[:group_size].tolist()
+    arrived = sum(arrival_counts)
+    receive_slots, output_sizes = _in_group_order(torch.arange(arrived), arrival_counts, group_ranks)
+    return send_rows, input_sizes, receive_slots, output_sizes, torch.nonzero(~is_token[logical]).flatten()
+
+
+def _field_exchange(plan: THDCPLayoutPlan) -> _Exchange:
+    """The contiguous -> zigzag exchange as the plan's fields give it (tokens only; see ``_rank_order_exchange``)."""
+    positions = plan.forward_receive_positions
+    padding = torch.ones(plan.zigzag_local_token_count, dtype=torch.bool)
+    padding[positions] = False
+    return (
+        plan.forward_send_indices,
+        plan.forward_input_split_sizes,
+        positions,
+        plan.forward_output_split_sizes,
+        torch.nonzero(padding).flatten(),
+    )
+
+
+def _exchange(host: THDCPLayoutPlan, own_rank: int) -> _Exchange:
+    """``own_rank``'s contiguous -> zigzag exchange, derived once per plan from the remembered rank order (which it
+    then lets go) or from the plan's fields."""
+    exchanges = _EXCHANGES.setdefault(host, {})
+    if own_rank not in exchanges:
+        remembered = _RANK_ORDERS.pop(host, None)
+        exchange = None if remembered is None else _rank_order_exchange(host, *remembered, own_rank)
+        exchanges[own_rank] = exchange or _field_exchange(host)
+    return exchanges[own_rank]
 
 
 def _token_moves(plan: THDCPLayoutPlan, to_zigzag: bool, own_rank: int) -> _TokenMoves:
-    """This rank's moves for converting with ``plan`` in one direction, derived once per plan from its fields.
+    """This rank's moves for converting with ``plan`` in one direction, derived once per plan and direction.
 
     They are derived on the host: from the host copy of a plan built by ``build_thd_cp_layout_plan``, or, for a plan
     made elsewhere on an accelerator, from one host copy of its index tensors.
@@ -368,25 +493,15 @@ def _token_moves(plan: THDCPLayoutPlan, to_zigzag: bool, own_rank: int) -> _Toke
     if key in moves_of_plan:
         return moves_of_plan[key]
     host = _HOST_PLANS.get(plan) or plan.to("cpu")
+    send_rows, input_sizes, receive_slots, output_sizes, padding = _exchange(host, own_rank)
+    contiguous_count, zigzag_count = host.contiguous_local_token_count, host.zigzag_local_token_count
     if to_zigzag:
         moves = _build_token_moves(
-            host.forward_send_indices,
-            host.forward_input_split_sizes,
-            host.forward_output_split_sizes,
-            host.contiguous_local_token_count,
-            host.zigzag_local_token_count,
-            _arrival_of_slot(host),
-            own_rank,
+            send_rows, input_sizes, receive_slots, output_sizes, contiguous_count, zigzag_count, own_rank, padding
         )
     else:
         moves = _build_token_moves(
-            host.reverse_send_indices,
-            host.forward_output_split_sizes,
-            host.forward_input_split_sizes,
-            host.zigzag_local_token_count,
-            host.contiguous_local_token_count,
-            host.reverse_receive_indices,
-            own_rank,
+            receive_slots, output_sizes, send_rows, input_sizes, zigzag_count, contiguous_count, own_rank, None
         )
     moves_of_plan[key] = moves = moves.to(plan.forward_send_indices.device)
     return moves
@@ -405,21 +520,21 @@ def _move_tokens(
     output = torch.empty(_resized(input_.shape, seq_dim, output_length), dtype=dtype, device=device)
     placed = output.view(-1, after) if before == 1 else output.view(before, output_length, after).transpose(0, 1)
     moves.kept.apply(placed, tokens)
-    if moves.zero_slots is not None:
-        placed.index_fill_(0, moves.zero_slots, 0)
     if before == 1 and moves.send_run is not None:
-        send = tokens[moves.send_run : moves.send_run + moves.send_count]
+        send = tokens.narrow(0, moves.send_run, moves.send_count)
     else:
         send = _staging.get("send", (moves.send_count, *token_shape), dtype, device)
         moves.send.apply(send, tokens)
     splits = (moves.output_split_sizes, moves.input_split_sizes)
     if before == 1 and moves.receive_run is not None:
-        landing = placed[moves.receive_run : moves.receive_run + moves.receive_count]
+        landing = placed.narrow(0, moves.receive_run, moves.receive_count)
         comm.all_to_all_v_into(landing, send, *splits, group)
-        return output
-    received = _staging.get("receive", (moves.receive_count, *token_shape), dtype, device)
-    comm.all_to_all_v_into(received, send, *splits, group)
-    moves.receive.apply(placed, received)
+    else:
+        received = _staging.get("receive", (moves.receive_count, *token_shape), dtype, device)
+        comm.all_to_all_v_into(received, send, *splits, group)
+        moves.receive.apply(placed, received)
+    if moves.zero_slots is not None:
+        placed.index_fill_(0, moves.zero_slots, 0)
     return output
 
 
@@ -435,6 +550,15 @@ class _THDRedistribution(torch.autograd.Function):
     def backward(ctx, grad_output):  # type: ignore[override]
         grad_input = _convert_tokens(grad_output, ctx.plan, not ctx.to_zigzag, ctx.group, ctx.seq_dim, ctx.own_rank)
         return grad_input, None, None, None, None, None
+
+
+def redistribute_tokens(
+    input_: torch.Tensor, plan: THDCPLayoutPlan, to_zigzag: bool, group: ProcessGroup, seq_dim: int, own_rank: int
+) -> torch.Tensor:
+    """Packed conversion: through the autograd function when a backward is needed, straight to the mover otherwise."""
+    if _needs_graph(input_):
+        return _THDRedistribution.apply(input_, plan, to_zigzag, group, seq_dim, own_rank)
+    return _convert_tokens(input_, plan, to_zigzag, group, seq_dim, own_rank)
 
 
 def _convert_tokens(
