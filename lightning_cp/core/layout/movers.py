@@ -13,6 +13,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 from torch.distributed import ProcessGroup
@@ -218,22 +219,47 @@ class _RowMap:
     targets: torch.Tensor | None = None
 
     @staticmethod
-    def build(sources: torch.Tensor, targets: torch.Tensor, source_rows: int, destination_rows: int) -> _RowMap:
-        """Map host int64 ``sources`` to ``targets`` (equally long); slice runs when they are long enough."""
-        count = sources.numel()
+    def build(
+        sources: torch.Tensor | None, targets: torch.Tensor | None, source_rows: int, destination_rows: int
+    ) -> _RowMap:
+        """Map host int64 ``sources`` to ``targets`` (equally long; None stands for 0, 1, 2, ...); slice runs when
+        they are long enough."""
+        count = (sources if targets is None else targets).numel()
         if count == 0:
             return _RowMap(runs=())
-        breaks = torch.nonzero((sources[1:] - sources[:-1] != 1) | (targets[1:] - targets[:-1] != 1)).flatten()
+        steps = [rows[1:] - rows[:-1] != 1 for rows in (sources, targets) if rows is not None]
+        breaks = torch.nonzero(steps[0] if len(steps) == 1 else steps[0] | steps[1]).flatten()
         if (breaks.numel() + 1) * _MIN_RUN_ROWS <= count:
             starts = [0, *(breaks + 1).tolist()]
-            ends = [*starts[1:], count]
-            firsts = zip(sources[starts].tolist(), targets[starts].tolist(), strict=True)
-            return _RowMap(
-                runs=tuple((s, t, end - start) for (s, t), start, end in zip(firsts, starts, ends, strict=True))
-            )
-        every_source = count == source_rows and bool(torch.equal(sources, torch.arange(count)))
-        every_target = count == destination_rows and bool(torch.equal(targets, torch.arange(count)))
-        return _RowMap(sources=None if every_source else sources, targets=None if every_target else targets)
+            lengths = [end - start for start, end in pairwise([*starts, count])]
+            firsts = [starts if rows is None else rows[starts].tolist() for rows in (sources, targets)]
+            return _RowMap(runs=tuple(zip(*firsts, lengths, strict=True)))
+        if sources is not None and count == source_rows and torch.equal(sources, torch.arange(count)):
+            sources = None
+        if targets is not None and count == destination_rows and torch.equal(targets, torch.arange(count)):
+            targets = None
+        return _RowMap(sources=sources, targets=targets)
+
+    @staticmethod
+    def run(first_source: int, first_target: int, count: int) -> _RowMap:
+        """One run: ``count`` rows from ``first_source`` on to ``first_target`` on."""
+        return _RowMap(runs=((first_source, first_target, count),))
+
+    @staticmethod
+    def gather(rows: torch.Tensor, source_rows: int) -> _RowMap:
+        """``destination[i] = source[rows[i]]`` wherever ``rows[i]`` is a row (non-negative)."""
+        carried = rows >= 0
+        if bool(carried.all()):
+            return _RowMap.build(rows, None, source_rows, rows.numel())
+        return _RowMap.build(rows[carried], torch.nonzero(carried).flatten(), source_rows, rows.numel())
+
+    @staticmethod
+    def scatter(slots: torch.Tensor, destination_rows: int) -> _RowMap:
+        """``destination[slots[i]] = source[i]`` wherever ``slots[i]`` is a row (non-negative)."""
+        taken = slots >= 0
+        if bool(taken.all()):
+            return _RowMap.build(None, slots, slots.numel(), destination_rows)
+        return _RowMap.build(torch.nonzero(taken).flatten(), slots[taken], slots.numel(), destination_rows)
 
     def to(self, device: torch.device) -> _RowMap:
         """Return the map with its index tensors on ``device``."""
@@ -294,12 +320,13 @@ class _TokenMoves:
 
 def _first_of_run(rows: torch.Tensor, length: int) -> int | None:
     """The first entry of ``rows`` when they count up by one inside ``0 .. length - 1`` (0 when empty); else None."""
-    if rows.numel() == 0:
+    count = rows.numel()
+    if count == 0:
         return 0
-    if rows.numel() > 1 and not bool((rows[1:] - rows[:-1] == 1).all()):
+    first, last = rows[[0, -1]].tolist()
+    if first < 0 or last - first != count - 1 or last >= length:
         return None
-    first = int(rows[0])
-    return first if first >= 0 and first + rows.numel() <= length else None
+    return first if count <= 2 or torch.equal(rows, torch.arange(first, last + 1)) else None
 
 
 def _without(rows: torch.Tensor, start: int, count: int) -> torch.Tensor:
@@ -308,7 +335,7 @@ def _without(rows: torch.Tensor, start: int, count: int) -> torch.Tensor:
 
 
 def _valid_pairs(sources: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``(sources, targets)`` pairs where both are rows (``-1`` marks a row that carries or takes nothing)."""
+    """The ``(sources, targets)`` pairs where both are rows (negative marks a row that carries or takes nothing)."""
     valid = (sources >= 0) & (targets >= 0)
     if bool(valid.all()):
         return sources, targets
@@ -327,8 +354,8 @@ def _build_token_moves(
 ) -> _TokenMoves:
     """Turn one rank's all-to-all-v of a conversion (host int64 tensors, rows grouped by group rank) into moves.
 
-    ``send_rows[i]`` is the input row send-buffer row ``i`` carries (``-1``: any value, padding the receiver zeroes)
-    and ``receive_slots[i]`` the output row received row ``i`` lands on (``-1``: dropped). The own-rank part either
+    ``send_rows[i]`` is the input row send-buffer row ``i`` carries (negative: any value, padding the receiver zeroes)
+    and ``receive_slots[i]`` the output row received row ``i`` lands on (negative: dropped). The own-rank part either
     travels inside the all-to-all or is copied directly, whichever moves fewer rows once runs that send from or land
     in place are counted free (an in-place run may hold padding rows, since ``zero_slots`` are zeroed last).
     """
@@ -350,8 +377,8 @@ def _build_token_moves(
     _, travels, rows, slots, send_run, receive_run = min(options, key=lambda option: option[0])
     send_count, receive_count = rows.numel(), slots.numel()
     kept = _RowMap(runs=()) if travels else _RowMap.build(own_sources, own_targets, input_length, output_length)
-    send = _RowMap.build(*_valid_pairs(rows, torch.arange(send_count)), input_length, send_count)
-    receive = _RowMap.build(*_valid_pairs(torch.arange(receive_count), slots), receive_count, output_length)
+    send = _RowMap.gather(rows, input_length) if send_run is None else _RowMap.run(send_run, 0, send_count)
+    receive = _RowMap.scatter(slots, output_length) if receive_run is None else _RowMap.run(0, receive_run, len(slots))
     input_splits, output_splits = list(input_split_sizes), list(output_split_sizes)
     if not travels:
         input_splits[own_rank] = output_splits[own_rank] = 0
@@ -429,32 +456,33 @@ def _rank_order_exchange(
 
     Every padding slot joins the block of the token after it on its zigzag rank (trailing padding joins none), so each
     zigzag rank's slots up to its last token are whole blocks, one per source rank in slot order. Returns the send
-    rows (local contiguous rows, ``-1`` for padding), input split sizes, the zigzag slots arrivals land on, output split
-    sizes and this rank's padding slots. None (the same on every rank, since it depends on the whole group only) when
-    tokens are not in source order on some zigzag rank or too much padding would travel.
+    rows (local contiguous rows, negative for padding), input split sizes, the zigzag slots arrivals land on, output
+    split sizes and this rank's padding slots. None (the same on every rank, since it depends on the whole group only)
+    when tokens are not in source order on some zigzag rank or too much padding would travel.
     """
     group_size, zigzag_count = len(group_ranks), plan.zigzag_local_token_count
     contiguous_count = plan.contiguous_local_token_count
     logical = group_ranks.index(own_rank)
     slots = rank_order_indices.view(group_size, zigzag_count)
-    is_token = slots >= 0
-    token_owner = torch.where(is_token, torch.div(slots, max(contiguous_count, 1), rounding_mode="floor"), group_size)
+    padding = slots < 0
+    token_owner = torch.div(slots, max(contiguous_count, 1), rounding_mode="floor").masked_fill_(padding, group_size)
     owner = token_owner.flip(1).cummin(1).values.flip(1)
-    if not torch.equal(owner[is_token], token_owner[is_token]):
+    if not torch.equal(owner.masked_fill(padding, group_size), token_owner):
         return None
-    moved = owner != torch.arange(group_size).unsqueeze(1)
-    travelling_padding = int((moved & ~is_token & (owner < group_size)).sum())
-    if travelling_padding * _PADDING_ROW_COST > int((moved & is_token).sum()):
+    # counts[p][q] = [tokens, padding slots] on zigzag rank p in source rank q's block (q = group_size: trailing
+    # padding, in no block), from one bincount of (p, q, is padding).
+    cells = 2 * (group_size + 1)
+    bins = torch.arange(0, group_size * cells, cells).unsqueeze(1) + 2 * owner + padding
+    counts = torch.bincount(bins.flatten(), minlength=group_size * cells).view(group_size, -1, 2).tolist()
+    moved = [counts[p][q] for p in range(group_size) for q in range(group_size) if q != p]
+    if sum(pads for _, pads in moved) * _PADDING_ROW_COST > sum(tokens for tokens, _ in moved):
         return None
-    mine = owner == logical
-    sources = slots[mine]
-    send_rows = torch.where(sources >= 0, sources - logical * contiguous_count, -1)
-    send_rows, input_sizes = _in_group_order(send_rows, mine.sum(1).tolist(), group_ranks)
-    own_owner = owner[logical]
-    arrival_counts = torch.bincount(own_owner, minlength=group_size + 1)[:group_size].tolist()
-    arrived = sum(arrival_counts)
-    receive_slots, output_sizes = _in_group_order(torch.arange(arrived), arrival_counts, group_ranks)
-    return send_rows, input_sizes, receive_slots, output_sizes, torch.nonzero(~is_token[logical]).flatten()
+    send_rows = slots[owner == logical] - logical * contiguous_count  # padding stays negative
+    block_sizes = [sum(counts[p][logical]) for p in range(group_size)]
+    send_rows, input_sizes = _in_group_order(send_rows, block_sizes, group_ranks)
+    arrival_counts = [sum(counts[logical][q]) for q in range(group_size)]
+    receive_slots, output_sizes = _in_group_order(torch.arange(sum(arrival_counts)), arrival_counts, group_ranks)
+    return send_rows, input_sizes, receive_slots, output_sizes, torch.nonzero(padding[logical]).flatten()
 
 
 def _field_exchange(plan: THDCPLayoutPlan) -> _Exchange:
@@ -503,7 +531,8 @@ def _token_moves(plan: THDCPLayoutPlan, to_zigzag: bool, own_rank: int) -> _Toke
         moves = _build_token_moves(
             receive_slots, output_sizes, send_rows, input_sizes, zigzag_count, contiguous_count, own_rank, None
         )
-    moves_of_plan[key] = moves = moves.to(plan.forward_send_indices.device)
+    device = plan.forward_send_indices.device
+    moves_of_plan[key] = moves = moves if device.type == "cpu" else moves.to(device)
     return moves
 
 
