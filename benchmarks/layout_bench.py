@@ -67,7 +67,7 @@ class Settings:
         """More repetitions for small, noisy shapes (a few ms each, so host jitter moves their ratios most); few for
         the big ones whose naive all-gather takes seconds."""
         if tokens <= 8192:
-            return 61 if self.quick else 101
+            return 101 if self.quick else 151
         if tokens <= 32768:
             return 9 if self.quick else 15
         return 3

@@ -194,11 +194,13 @@ def _build_thd_rank_order_indices(
     return rank_order_indices, padded_offsets.to(torch.int32)
 
 
-def _in_group_rank_order(logical_ranks: torch.Tensor, group_rank_table: torch.Tensor | None) -> torch.Tensor:
-    """Indices that order entries (already in logical-rank order) by group rank, keeping order within a rank."""
+def _in_group_rank_order(
+    values: torch.Tensor, logical_ranks: torch.Tensor, group_rank_table: torch.Tensor | None
+) -> torch.Tensor:
+    """Reorder ``values`` (in logical-rank order, ``logical_ranks`` each) by group rank, keeping order within a rank."""
     if group_rank_table is None:
-        return torch.arange(logical_ranks.numel(), device=logical_ranks.device)
-    return torch.argsort(group_rank_table[logical_ranks], stable=True)
+        return values
+    return values.index_select(0, torch.argsort(group_rank_table[logical_ranks], stable=True))
 
 
 def _split_sizes(logical_ranks: torch.Tensor, group_ranks: tuple[int, ...]) -> tuple[int, ...]:
@@ -256,14 +258,13 @@ def _build_thd_cp_layout_plan_from_rank_order_indices(
             f"{contiguous_count} tokens, expected each exactly once"
         )
     destinations = torch.div(sent_slots, zigzag_count, rounding_mode="floor")
-    order = _in_group_rank_order(destinations, group_rank_table)
-    forward_send_indices = local.index_select(0, sent_slots.index_select(0, order))
+    forward_send_indices = local.index_select(0, _in_group_rank_order(sent_slots, destinations, group_rank_table))
 
     # Forward receive: this rank's slots that hold a token, by sender (arrivals come in group-rank order).
     my_slots = indices[logical_rank * zigzag_count : (logical_rank + 1) * zigzag_count]
     filled = torch.nonzero(my_slots >= 0).flatten()
     senders = torch.div(my_slots.index_select(0, filled), contiguous_count, rounding_mode="floor")
-    forward_receive_positions = filled.index_select(0, _in_group_rank_order(senders, group_rank_table))
+    forward_receive_positions = _in_group_rank_order(filled, senders, group_rank_table)
 
     reverse_receive_indices = torch.full((contiguous_count,), -1, dtype=torch.int64, device=device)
     reverse_receive_indices[forward_send_indices] = torch.arange(contiguous_count, device=device)
