@@ -69,7 +69,7 @@ class Settings:
         if tokens <= 8192:
             return 101 if self.quick else 151
         if tokens <= 32768:
-            return 9 if self.quick else 15
+            return 15 if self.quick else 21
         return 3
 
 

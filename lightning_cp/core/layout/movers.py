@@ -13,7 +13,6 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import pairwise
 
 import torch
 from torch.distributed import ProcessGroup
@@ -203,87 +202,118 @@ class _SegmentRedistribution(torch.autograd.Function):
         return grad_input, None, None, None, None, None
 
 
-_MIN_RUN_ROWS = 64
-"""A row map copies slice by slice when its runs average at least this many rows, and with index kernels otherwise."""
+@dataclass(frozen=True)
+class _CopyCosts:
+    """Rough costs of the ways to move rows, in row copies: ``call`` per kernel call, ``gather`` and ``scatter`` per
+    row moved by an index gather or an index copy (a slice copy costs 1 per row)."""
+
+    call: float
+    gather: float
+    scatter: float
+
+
+_HOST_COSTS = _CopyCosts(call=48, gather=1.5, scatter=5)
+"""CPU (torch 2.13, one thread, rows of 2 KiB): a call costs about 3.5 us, as much as copying 36-64 rows; an index
+gather 1.5-2x and ``index_copy_`` 4-6x a slice copy per row."""
+_ACCELERATOR_COSTS = _CopyCosts(call=1024, gather=1, scatter=1)
+"""Accelerators: kernel launches dominate, index kernels run at copy speed."""
 
 
 @dataclass(frozen=True)
 class _RowMap:
-    """``destination[targets] = source[sources]`` along dim 0, as slice runs or as index tensors.
+    """``destination[targets] = source[sources]`` along dim 0, as pieces or as one index copy.
 
-    ``sources`` None reads all of ``source`` in order; ``targets`` None writes all of ``destination`` in order.
+    Each of ``pieces`` fills consecutive destination rows: ``(first_target, count, first_source)`` is a slice copy and
+    ``(first_target, count, sources)`` with an index tensor one gather; ``scattered`` holds ``(sources, targets)``
+    index tensors for one index copy instead. ``cost`` is the estimate that chose between them.
     """
 
-    runs: tuple[tuple[int, int, int], ...] | None = None
-    sources: torch.Tensor | None = None
-    targets: torch.Tensor | None = None
+    pieces: tuple[tuple[int, int, int | torch.Tensor], ...] = ()
+    scattered: tuple[torch.Tensor, torch.Tensor] | None = None
+    cost: float = 0.0
 
     @staticmethod
-    def build(
-        sources: torch.Tensor | None, targets: torch.Tensor | None, source_rows: int, destination_rows: int
-    ) -> _RowMap:
-        """Map host int64 ``sources`` to ``targets`` (equally long; None stands for 0, 1, 2, ...); slice runs when
-        they are long enough."""
+    def build(sources: torch.Tensor | None, targets: torch.Tensor | None, costs: _CopyCosts = _HOST_COSTS) -> _RowMap:
+        """Map host int64 ``sources`` to ``targets`` (equally long; None stands for 0, 1, 2, ...), the cheapest way."""
         count = (sources if targets is None else targets).numel()
         if count == 0:
-            return _RowMap(runs=())
-        steps = [rows[1:] - rows[:-1] != 1 for rows in (sources, targets) if rows is not None]
-        breaks = torch.nonzero(steps[0] if len(steps) == 1 else steps[0] | steps[1]).flatten()
-        if (breaks.numel() + 1) * _MIN_RUN_ROWS <= count:
-            starts = [0, *(breaks + 1).tolist()]
-            lengths = [end - start for start, end in pairwise([*starts, count])]
-            firsts = [starts if rows is None else rows[starts].tolist() for rows in (sources, targets)]
-            return _RowMap(runs=tuple(zip(*firsts, lengths, strict=True)))
-        if sources is not None and count == source_rows and torch.equal(sources, torch.arange(count)):
-            sources = None
-        if targets is not None and count == destination_rows and torch.equal(targets, torch.arange(count)):
-            targets = None
-        return _RowMap(sources=sources, targets=targets)
+            return _RowMap()
+        sources = torch.arange(count) if sources is None else sources
+        targets = torch.arange(count) if targets is None else targets
+        if count > 1 and not bool((targets[1:] > targets[:-1]).all()):
+            order = torch.argsort(targets)
+            sources, targets = sources.index_select(0, order), targets.index_select(0, order)
+        target_breaks = targets[1:] - targets[:-1] != 1
+        slice_breaks = torch.nonzero(target_breaks | (sources[1:] - sources[:-1] != 1)).flatten()
+        piece_breaks = torch.nonzero(target_breaks).flatten()
+        options = [
+            ((slice_breaks.numel() + 1) * costs.call + count, 0),
+            ((piece_breaks.numel() + 1) * costs.call + count * costs.gather, 1),
+            (costs.call + count * costs.scatter, 2),
+        ]
+        cost, form = min(options)
+        if form == 2:
+            return _RowMap(scattered=(sources, targets), cost=cost)
+        breaks = slice_breaks if form == 0 else piece_breaks
+        starts = [0, *(breaks + 1).tolist()]
+        ends = [*starts[1:], count]
+        if form == 0:
+            single = [True] * len(starts)
+        else:  # a piece is one slice when no slice break falls inside it (slice breaks include the piece breaks)
+            inside = torch.searchsorted(slice_breaks, torch.tensor(ends) - 1) - torch.searchsorted(
+                slice_breaks, torch.tensor(starts)
+            )
+            single = (inside == 0).tolist()
+        firsts = zip(targets[starts].tolist(), sources[starts].tolist(), strict=True)
+        pieces = tuple(
+            (target, end - start, source if one else sources[start:end])
+            for (target, source), start, end, one in zip(firsts, starts, ends, single, strict=True)
+        )
+        return _RowMap(pieces=pieces, cost=cost)
 
     @staticmethod
     def run(first_source: int, first_target: int, count: int) -> _RowMap:
-        """One run: ``count`` rows from ``first_source`` on to ``first_target`` on."""
-        return _RowMap(runs=((first_source, first_target, count),))
+        """One slice copy: ``count`` rows from ``first_source`` on to ``first_target`` on."""
+        return _RowMap(pieces=((first_target, count, first_source),) if count else (), cost=count)
 
     @staticmethod
-    def gather(rows: torch.Tensor, source_rows: int) -> _RowMap:
+    def gather(rows: torch.Tensor, costs: _CopyCosts = _HOST_COSTS) -> _RowMap:
         """``destination[i] = source[rows[i]]`` wherever ``rows[i]`` is a row (non-negative)."""
         carried = rows >= 0
         if bool(carried.all()):
-            return _RowMap.build(rows, None, source_rows, rows.numel())
-        return _RowMap.build(rows[carried], torch.nonzero(carried).flatten(), source_rows, rows.numel())
+            return _RowMap.build(rows, None, costs)
+        return _RowMap.build(rows[carried], torch.nonzero(carried).flatten(), costs)
 
     @staticmethod
-    def scatter(slots: torch.Tensor, destination_rows: int) -> _RowMap:
+    def scatter(slots: torch.Tensor, costs: _CopyCosts = _HOST_COSTS) -> _RowMap:
         """``destination[slots[i]] = source[i]`` wherever ``slots[i]`` is a row (non-negative)."""
         taken = slots >= 0
         if bool(taken.all()):
-            return _RowMap.build(None, slots, slots.numel(), destination_rows)
-        return _RowMap.build(torch.nonzero(taken).flatten(), slots[taken], slots.numel(), destination_rows)
+            return _RowMap.build(None, slots, costs)
+        return _RowMap.build(torch.nonzero(taken).flatten(), slots[taken], costs)
 
     def to(self, device: torch.device) -> _RowMap:
         """Return the map with its index tensors on ``device``."""
-        return _RowMap(
-            self.runs,
-            None if self.sources is None else self.sources.to(device),
-            None if self.targets is None else self.targets.to(device),
+        pieces = tuple(
+            (first, count, sources if isinstance(sources, int) else sources.to(device))
+            for first, count, sources in self.pieces
         )
+        scattered = None if self.scattered is None else tuple(index.to(device) for index in self.scattered)
+        return _RowMap(pieces, scattered, self.cost)
 
     def apply(self, destination: torch.Tensor, source: torch.Tensor) -> None:
         """Copy the mapped rows of ``source`` into ``destination``."""
-        if self.runs is not None:
-            for first_source, first_target, count in self.runs:
-                destination.narrow(0, first_target, count).copy_(source.narrow(0, first_source, count))
-        elif self.sources is None and self.targets is None:
-            destination.copy_(source)
-        elif self.targets is None and destination.is_contiguous():
-            torch.index_select(source, 0, self.sources, out=destination)
-        elif self.targets is None:
-            destination.copy_(source.index_select(0, self.sources))
-        elif self.sources is None:
-            destination.index_copy_(0, self.targets, source)
-        else:
-            destination.index_copy_(0, self.targets, source.index_select(0, self.sources))
+        for first, count, sources in self.pieces:
+            piece = destination.narrow(0, first, count)
+            if isinstance(sources, int):
+                piece.copy_(source.narrow(0, sources, count))
+            elif piece.is_contiguous():
+                torch.index_select(source, 0, sources, out=piece)
+            else:
+                piece.copy_(source.index_select(0, sources))
+        if self.scattered is not None:
+            sources, targets = self.scattered
+            destination.index_copy_(0, targets, source.index_select(0, sources))
 
 
 @dataclass(frozen=True)
@@ -351,45 +381,44 @@ def _build_token_moves(
     output_length: int,
     own_rank: int,
     zero_slots: torch.Tensor | None,
+    costs: _CopyCosts = _HOST_COSTS,
 ) -> _TokenMoves:
     """Turn one rank's all-to-all-v of a conversion (host int64 tensors, rows grouped by group rank) into moves.
 
     ``send_rows[i]`` is the input row send-buffer row ``i`` carries (negative: any value, padding the receiver zeroes)
     and ``receive_slots[i]`` the output row received row ``i`` lands on (negative: dropped). The own-rank part either
-    travels inside the all-to-all or is copied directly, whichever moves fewer rows once runs that send from or land
-    in place are counted free (an in-place run may hold padding rows, since ``zero_slots`` are zeroed last).
+    travels inside the all-to-all or is copied directly, whichever costs less once runs that send from or land in
+    place are counted free (an in-place run may hold padding rows, since ``zero_slots`` are zeroed last).
     """
     send_start, own_count = sum(input_split_sizes[:own_rank]), input_split_sizes[own_rank]
     receive_start = sum(output_split_sizes[:own_rank])
     own_sources, own_targets = _valid_pairs(
         send_rows[send_start : send_start + own_count], receive_slots[receive_start : receive_start + own_count]
     )
-    moving_rows = _without(send_rows, send_start, own_count)
-    moving_slots = _without(receive_slots, receive_start, own_count)
-    options = []
-    for travels, rows, slots in ((False, moving_rows, moving_slots), (True, send_rows, receive_slots)):
+    kept = _RowMap.build(own_sources, own_targets, costs)
+    options = [(False, _without(send_rows, send_start, own_count), _without(receive_slots, receive_start, own_count))]
+    if own_count:
+        options.append((True, send_rows, receive_slots))
+    candidates = []
+    for travels, rows, slots in options:
         send_run, receive_run = _first_of_run(rows, input_length), _first_of_run(slots, output_length)
-        copied = own_count if travels else own_sources.numel()
-        copied += (rows.numel() if send_run is None else 0) + (slots.numel() if receive_run is None else 0)
-        options.append((copied, travels, rows, slots, send_run, receive_run))
-        if not own_count:
-            break
-    _, travels, rows, slots, send_run, receive_run = min(options, key=lambda option: option[0])
-    send_count, receive_count = rows.numel(), slots.numel()
-    kept = _RowMap(runs=()) if travels else _RowMap.build(own_sources, own_targets, input_length, output_length)
-    send = _RowMap.gather(rows, input_length) if send_run is None else _RowMap.run(send_run, 0, send_count)
-    receive = _RowMap.scatter(slots, output_length) if receive_run is None else _RowMap.run(0, receive_run, len(slots))
+        send = _RowMap.gather(rows, costs) if send_run is None else _RowMap.run(send_run, 0, rows.numel())
+        receive = _RowMap.scatter(slots, costs) if receive_run is None else _RowMap.run(0, receive_run, slots.numel())
+        cost = own_count if travels else kept.cost
+        cost += (send.cost if send_run is None else 0) + (receive.cost if receive_run is None else 0)
+        candidates.append((cost, travels, rows, slots, send_run, receive_run, send, receive))
+    _, travels, rows, slots, send_run, receive_run, send, receive = min(candidates, key=lambda option: option[0])
     input_splits, output_splits = list(input_split_sizes), list(output_split_sizes)
     if not travels:
         input_splits[own_rank] = output_splits[own_rank] = 0
     return _TokenMoves(
-        kept=kept,
+        kept=_RowMap() if travels else kept,
         zero_slots=zero_slots if zero_slots is not None and zero_slots.numel() else None,
         send=send,
-        send_count=send_count,
+        send_count=rows.numel(),
         send_run=send_run,
         receive=receive,
-        receive_count=receive_count,
+        receive_count=slots.numel(),
         receive_run=receive_run,
         input_split_sizes=tuple(input_splits),
         output_split_sizes=tuple(output_splits),
@@ -523,15 +552,13 @@ def _token_moves(plan: THDCPLayoutPlan, to_zigzag: bool, own_rank: int) -> _Toke
     host = _HOST_PLANS.get(plan) or plan.to("cpu")
     send_rows, input_sizes, receive_slots, output_sizes, padding = _exchange(host, own_rank)
     contiguous_count, zigzag_count = host.contiguous_local_token_count, host.zigzag_local_token_count
-    if to_zigzag:
-        moves = _build_token_moves(
-            send_rows, input_sizes, receive_slots, output_sizes, contiguous_count, zigzag_count, own_rank, padding
-        )
-    else:
-        moves = _build_token_moves(
-            receive_slots, output_sizes, send_rows, input_sizes, zigzag_count, contiguous_count, own_rank, None
-        )
     device = plan.forward_send_indices.device
+    costs = _HOST_COSTS if device.type == "cpu" else _ACCELERATOR_COSTS
+    if to_zigzag:
+        exchange = (send_rows, input_sizes, receive_slots, output_sizes, contiguous_count, zigzag_count)
+    else:
+        exchange = (receive_slots, output_sizes, send_rows, input_sizes, zigzag_count, contiguous_count)
+    moves = _build_token_moves(*exchange, own_rank, padding if to_zigzag else None, costs)
     moves_of_plan[key] = moves = moves if device.type == "cpu" else moves.to(device)
     return moves
 
