@@ -238,36 +238,40 @@ class _RowMap:
         count = (sources if targets is None else targets).numel()
         if count == 0:
             return _RowMap()
-        sources = torch.arange(count) if sources is None else sources
-        targets = torch.arange(count) if targets is None else targets
-        if count > 1 and not bool((targets[1:] > targets[:-1]).all()):
+        if targets is not None and count > 1 and not bool((targets[1:] > targets[:-1]).all()):
             order = torch.argsort(targets)
-            sources, targets = sources.index_select(0, order), targets.index_select(0, order)
-        target_breaks = targets[1:] - targets[:-1] != 1
-        slice_breaks = torch.nonzero(target_breaks | (sources[1:] - sources[:-1] != 1)).flatten()
-        piece_breaks = torch.nonzero(target_breaks).flatten()
+            sources = order if sources is None else sources.index_select(0, order)
+            targets = targets.index_select(0, order)
+        target_steps = None if targets is None else targets[1:] - targets[:-1] != 1
+        source_steps = None if sources is None else sources[1:] - sources[:-1] != 1
+        if target_steps is None:
+            piece_breaks = torch.empty(0, dtype=torch.int64)
+            slice_breaks = torch.nonzero(source_steps).flatten()
+        else:
+            piece_breaks = torch.nonzero(target_steps).flatten()
+            both = target_steps if source_steps is None else target_steps | source_steps
+            slice_breaks = piece_breaks if source_steps is None else torch.nonzero(both).flatten()
         options = [
-            ((slice_breaks.numel() + 1) * costs.call + count, 0),
-            ((piece_breaks.numel() + 1) * costs.call + count * costs.gather, 1),
-            (costs.call + count * costs.scatter, 2),
+            ((slice_breaks.numel() + 1) * costs.call + count, "slices"),
+            ((piece_breaks.numel() + 1) * costs.call + count * costs.gather, "pieces"),
         ]
+        if targets is not None:
+            options.append((costs.call + count * costs.scatter, "scattered"))
         cost, form = min(options)
-        if form == 2:
-            return _RowMap(scattered=(sources, targets), cost=cost)
-        breaks = slice_breaks if form == 0 else piece_breaks
-        starts = [0, *(breaks + 1).tolist()]
+        if form == "scattered":
+            return _RowMap(scattered=(torch.arange(count) if sources is None else sources, targets), cost=cost)
+        starts = [0, *((slice_breaks if form == "slices" else piece_breaks) + 1).tolist()]
         ends = [*starts[1:], count]
-        if form == 0:
+        if form == "slices" or sources is None:
             single = [True] * len(starts)
         else:  # a piece is one slice when no slice break falls inside it (slice breaks include the piece breaks)
-            inside = torch.searchsorted(slice_breaks, torch.tensor(ends) - 1) - torch.searchsorted(
-                slice_breaks, torch.tensor(starts)
-            )
-            single = (inside == 0).tolist()
-        firsts = zip(targets[starts].tolist(), sources[starts].tolist(), strict=True)
+            inside = torch.searchsorted(slice_breaks, torch.tensor(ends) - 1)
+            single = (inside == torch.searchsorted(slice_breaks, torch.tensor(starts))).tolist()
+        target_firsts = starts if targets is None else targets[starts].tolist()
+        source_firsts = starts if sources is None else sources[starts].tolist()
         pieces = tuple(
             (target, end - start, source if one else sources[start:end])
-            for (target, source), start, end, one in zip(firsts, starts, ends, single, strict=True)
+            for target, source, start, end, one in zip(target_firsts, source_firsts, starts, ends, single, strict=True)
         )
         return _RowMap(pieces=pieces, cost=cost)
 
@@ -353,7 +357,7 @@ def _first_of_run(rows: torch.Tensor, length: int) -> int | None:
     count = rows.numel()
     if count == 0:
         return 0
-    first, last = rows[[0, -1]].tolist()
+    first, last = int(rows[0]), int(rows[-1])
     if first < 0 or last - first != count - 1 or last >= length:
         return None
     return first if count <= 2 or torch.equal(rows, torch.arange(first, last + 1)) else None
