@@ -225,11 +225,12 @@ class _RowMap:
 
     Each of ``pieces`` fills consecutive destination rows: ``(first_target, count, first_source)`` is a slice copy and
     ``(first_target, count, sources)`` with an index tensor one gather; ``scattered`` holds ``(sources, targets)``
-    index tensors for one index copy instead. ``cost`` is the estimate that chose between them.
+    index tensors (``sources`` None: all of ``source`` in order) for one index copy instead. ``cost`` is the estimate
+    that chose between them.
     """
 
     pieces: tuple[tuple[int, int, int | torch.Tensor], ...] = ()
-    scattered: tuple[torch.Tensor, torch.Tensor] | None = None
+    scattered: tuple[torch.Tensor | None, torch.Tensor] | None = None
     cost: float = 0.0
 
     @staticmethod
@@ -259,7 +260,7 @@ class _RowMap:
             options.append((costs.call + count * costs.scatter, "scattered"))
         cost, form = min(options)
         if form == "scattered":
-            return _RowMap(scattered=(torch.arange(count) if sources is None else sources, targets), cost=cost)
+            return _RowMap(scattered=(sources, targets), cost=cost)
         starts = [0, *((slice_breaks if form == "slices" else piece_breaks) + 1).tolist()]
         ends = [*starts[1:], count]
         if form == "slices" or sources is None:
@@ -302,7 +303,9 @@ class _RowMap:
             (first, count, sources if isinstance(sources, int) else sources.to(device))
             for first, count, sources in self.pieces
         )
-        scattered = None if self.scattered is None else tuple(index.to(device) for index in self.scattered)
+        scattered = None
+        if self.scattered is not None:
+            scattered = tuple(None if index is None else index.to(device) for index in self.scattered)
         return _RowMap(pieces, scattered, self.cost)
 
     def apply(self, destination: torch.Tensor, source: torch.Tensor) -> None:
@@ -317,7 +320,7 @@ class _RowMap:
                 piece.copy_(source.index_select(0, sources))
         if self.scattered is not None:
             sources, targets = self.scattered
-            destination.index_copy_(0, targets, source.index_select(0, sources))
+            destination.index_copy_(0, targets, source if sources is None else source.index_select(0, sources))
 
 
 @dataclass(frozen=True)
