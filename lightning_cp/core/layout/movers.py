@@ -406,15 +406,25 @@ def _build_token_moves(
     options = [(False, _without(send_rows, send_start, own_count), _without(receive_slots, receive_start, own_count))]
     if own_count:
         options.append((True, send_rows, receive_slots))
-    candidates = []
+    # Each option costs at least its local copies plus one row copy per row it stages; build the cheapest bound first
+    # and skip an option whose bound cannot beat the best built one.
+    bounded = []
     for travels, rows, slots in options:
         send_run, receive_run = _first_of_run(rows, input_length), _first_of_run(slots, output_length)
+        bound = (own_count if travels else kept.cost) + (int((rows >= 0).sum()) if send_run is None else 0)
+        bound += int((slots >= 0).sum()) if receive_run is None else 0
+        bounded.append((bound, travels, rows, slots, send_run, receive_run))
+    best = None
+    for bound, travels, rows, slots, send_run, receive_run in sorted(bounded, key=lambda option: option[0]):
+        if best is not None and bound >= best[0]:
+            break
         send = _RowMap.gather(rows, costs) if send_run is None else _RowMap.run(send_run, 0, rows.numel())
         receive = _RowMap.scatter(slots, costs) if receive_run is None else _RowMap.run(0, receive_run, slots.numel())
-        cost = own_count if travels else kept.cost
-        cost += (send.cost if send_run is None else 0) + (receive.cost if receive_run is None else 0)
-        candidates.append((cost, travels, rows, slots, send_run, receive_run, send, receive))
-    _, travels, rows, slots, send_run, receive_run, send, receive = min(candidates, key=lambda option: option[0])
+        cost = (own_count if travels else kept.cost) + (send.cost if send_run is None else 0)
+        cost += receive.cost if receive_run is None else 0
+        if best is None or cost < best[0]:
+            best = (cost, travels, rows, slots, send_run, receive_run, send, receive)
+    _, travels, rows, slots, send_run, receive_run, send, receive = best
     input_splits, output_splits = list(input_split_sizes), list(output_split_sizes)
     if not travels:
         input_splits[own_rank] = output_splits[own_rank] = 0
