@@ -26,6 +26,8 @@ SHORT = [
     "model.intermediate_size=176",
     "optim.warmup_steps=4",
 ]
+
+
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("runs")
