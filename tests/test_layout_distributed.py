@@ -105,6 +105,15 @@ def _check_packed(cp, tp, logical, groups, cu, cu_padded, seq_dim) -> None:
     lazy = contiguous_to_zigzag(shaped(stream[own]), *groups, thd_plan=hand_built, seq_dim=seq_dim)
     assert torch.equal(lazy, converted)
     assert torch.equal(zigzag_to_contiguous(lazy, *groups, thd_plan=hand_built, seq_dim=seq_dim), shaped(stream[own]))
+    rebuilt = build_thd_cp_layout_plan(
+        torch.tensor(cu, dtype=torch.int32),
+        token_count,
+        groups[0],
+        None if cu_padded is None else torch.tensor(cu_padded, dtype=torch.int32),
+        *groups[1:],
+    )
+    mixed = dataclasses.replace(rebuilt) if logical % 2 else rebuilt  # plans with equal fields work together
+    assert torch.equal(contiguous_to_zigzag(shaped(stream[own]), *groups, thd_plan=mixed, seq_dim=seq_dim), converted)
 
 
 def _conversion_checks(cp: int, tp: int, tp_fastest: bool) -> int:

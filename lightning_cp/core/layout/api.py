@@ -234,8 +234,8 @@ def _build_thd_plan_from_host_offsets(
 ) -> THDCPLayoutPlan:
     """Build this rank's THD plan from host offsets, then move it to ``device``.
 
-    The movers keep the host copy and the group's rank order, so the data moves they derive from the plan at its first
-    conversion need no device-to-host copy and may send padding where that lets arrivals land in place.
+    The movers keep the host copy, so the data moves they derive from the plan at its first conversion need no
+    device-to-host copy.
     """
     if isinstance(total_tokens, bool) or not isinstance(total_tokens, int):
         raise ValueError(f"total_tokens must be an int, got {total_tokens!r}")
@@ -250,7 +250,7 @@ def _build_thd_plan_from_host_offsets(
         group_rank_by_logical_rank=context.group_rank_by_logical_rank,
         pad_between_seqs=not torch.equal(zigzag_offsets, cu_seqlens),
     )
-    return plan_on_device(plan, device, rank_order_indices, context.group_rank_by_logical_rank)
+    return plan_on_device(plan, device)
 
 
 def contiguous_to_zigzag(

@@ -330,7 +330,7 @@ class _TokenMoves:
     ``kept`` copies input tokens that stay on the rank straight into the output (empty when they travel through the
     all-to-all's own-rank part instead); ``send`` gathers the send buffer unless ``send_run`` names it as one run of
     input rows; ``receive`` places arrivals unless ``receive_run`` names one run of output rows they land on in order;
-    ``zero_slots`` are output padding, zeroed last (padding rows may carry any value through the exchange).
+    ``zero_slots`` are output padding, zeroed (no padding travels).
     """
 
     kept: _RowMap
@@ -371,14 +371,6 @@ def _without(rows: torch.Tensor, start: int, count: int) -> torch.Tensor:
     return torch.cat([rows[:start], rows[start + count :]]) if count else rows
 
 
-def _valid_pairs(sources: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``(sources, targets)`` pairs where both are rows (negative marks a row that carries or takes nothing)."""
-    valid = (sources >= 0) & (targets >= 0)
-    if bool(valid.all()):
-        return sources, targets
-    return sources[valid], targets[valid]
-
-
 def _build_token_moves(
     send_rows: torch.Tensor,
     input_split_sizes: tuple[int, ...],
@@ -392,39 +384,26 @@ def _build_token_moves(
 ) -> _TokenMoves:
     """Turn one rank's all-to-all-v of a conversion (host int64 tensors, rows grouped by group rank) into moves.
 
-    ``send_rows[i]`` is the input row send-buffer row ``i`` carries (negative: any value, padding the receiver zeroes)
-    and ``receive_slots[i]`` the output row received row ``i`` lands on (negative: dropped). The own-rank part either
-    travels inside the all-to-all or is copied directly, whichever costs less once runs that send from or land in
-    place are counted free (an in-place run may hold padding rows, since ``zero_slots`` are zeroed last).
+    ``send_rows[i]`` is the input row send-buffer row ``i`` carries and ``receive_slots[i]`` the output row received
+    row ``i`` lands on. The own-rank part either travels inside the all-to-all or is copied directly, whichever costs
+    less once runs that send from or land in place are counted free.
     """
     send_start, own_count = sum(input_split_sizes[:own_rank]), input_split_sizes[own_rank]
     receive_start = sum(output_split_sizes[:own_rank])
-    own_sources, own_targets = _valid_pairs(
-        send_rows[send_start : send_start + own_count], receive_slots[receive_start : receive_start + own_count]
-    )
-    kept = _RowMap.build(own_sources, own_targets, costs)
+    own_sources = send_rows[send_start : send_start + own_count]
+    kept = _RowMap.build(own_sources, receive_slots[receive_start : receive_start + own_count], costs)
     options = [(False, _without(send_rows, send_start, own_count), _without(receive_slots, receive_start, own_count))]
     if own_count:
         options.append((True, send_rows, receive_slots))
-    # Each option costs at least its local copies plus one row copy per row it stages; build the cheapest bound first
-    # and skip an option whose bound cannot beat the best built one.
-    bounded = []
+    built = []
     for travels, rows, slots in options:
         send_run, receive_run = _first_of_run(rows, input_length), _first_of_run(slots, output_length)
-        bound = (own_count if travels else kept.cost) + (int((rows >= 0).sum()) if send_run is None else 0)
-        bound += int((slots >= 0).sum()) if receive_run is None else 0
-        bounded.append((bound, travels, rows, slots, send_run, receive_run))
-    best = None
-    for bound, travels, rows, slots, send_run, receive_run in sorted(bounded, key=lambda option: option[0]):
-        if best is not None and bound >= best[0]:
-            break
         send = _RowMap.gather(rows, costs) if send_run is None else _RowMap.run(send_run, 0, rows.numel())
         receive = _RowMap.scatter(slots, costs) if receive_run is None else _RowMap.run(0, receive_run, slots.numel())
         cost = (own_count if travels else kept.cost) + (send.cost if send_run is None else 0)
         cost += receive.cost if receive_run is None else 0
-        if best is None or cost < best[0]:
-            best = (cost, travels, rows, slots, send_run, receive_run, send, receive)
-    _, travels, rows, slots, send_run, receive_run, send, receive = best
+        built.append((cost, travels, rows, slots, send_run, receive_run, send, receive))
+    _, travels, rows, slots, send_run, receive_run, send, receive = min(built, key=lambda option: option[0])
     input_splits, output_splits = list(input_split_sizes), list(output_split_sizes)
     if not travels:
         input_splits[own_rank] = output_splits[own_rank] = 0
@@ -447,92 +426,23 @@ _Exchange = tuple[torch.Tensor, tuple[int, ...], torch.Tensor, tuple[int, ...], 
 
 
 _HOST_PLANS: weakref.WeakKeyDictionary[THDCPLayoutPlan, THDCPLayoutPlan] = weakref.WeakKeyDictionary()
-_RANK_ORDERS: weakref.WeakKeyDictionary[THDCPLayoutPlan, tuple[torch.Tensor, tuple[int, ...]]] = (
-    weakref.WeakKeyDictionary()
-)
-_EXCHANGES: weakref.WeakKeyDictionary[THDCPLayoutPlan, dict[int, _Exchange]] = weakref.WeakKeyDictionary()
 _TOKEN_MOVES: weakref.WeakKeyDictionary[THDCPLayoutPlan, dict[tuple[bool, int], _TokenMoves]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def plan_on_device(
-    host_plan: THDCPLayoutPlan,
-    device: torch.device,
-    rank_order_indices: torch.Tensor | None = None,
-    group_rank_by_logical_rank: tuple[int, ...] | None = None,
-) -> THDCPLayoutPlan:
-    """Move a plan built on the host to ``device``, remembering the host copy so its moves derive without a sync.
-
-    With the whole group's ``rank_order_indices`` (host) the moves also know every rank's padding slots, so padding
-    may travel and arrivals land in place on the zigzag side (see ``_rank_order_exchange``).
-    """
+def plan_on_device(host_plan: THDCPLayoutPlan, device: torch.device) -> THDCPLayoutPlan:
+    """Move a plan built on the host to ``device``, remembering the host copy so its moves derive without a sync."""
     plan = host_plan.to(device)
     if plan is not host_plan:
         _HOST_PLANS[plan] = host_plan
         remember_host_copy(plan.cu_seqlens_padded, host_plan.cu_seqlens_padded)
-    if rank_order_indices is not None and group_rank_by_logical_rank is not None:
-        _RANK_ORDERS[host_plan] = (rank_order_indices, group_rank_by_logical_rank)
     return plan
 
 
-def _in_group_order(
-    rows: torch.Tensor, block_sizes: list[int], group_ranks: tuple[int, ...]
-) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """Reorder ``rows``, blocks of ``block_sizes`` in logical-rank order, into group-rank order, with their sizes."""
-    sizes = [0] * len(group_ranks)
-    for logical, size in enumerate(block_sizes):
-        sizes[group_ranks[logical]] = size
-    if group_ranks == tuple(range(len(group_ranks))):
-        return rows, tuple(sizes)
-    blocks = rows.split(block_sizes)
-    logical_of_group = sorted(range(len(group_ranks)), key=group_ranks.__getitem__)
-    return torch.cat([blocks[logical] for logical in logical_of_group]), tuple(sizes)
-
-
-_PADDING_ROW_COST = 8
-"""Padding travels only while the group sends at most one padding row per this many moving tokens: a padding row on
-the wire is taken to cost as much as copying this many rows locally, and landing in place saves one copy of each."""
-
-
-def _rank_order_exchange(
-    plan: THDCPLayoutPlan, rank_order_indices: torch.Tensor, group_ranks: tuple[int, ...], own_rank: int
-) -> _Exchange | None:
-    """The contiguous -> zigzag exchange of ``own_rank`` with padding travelling, from the group's rank order.
-
-    Every padding slot joins the block of the token after it on its zigzag rank (trailing padding joins none), so each
-    zigzag rank's slots up to its last token are whole blocks, one per source rank in slot order. Returns the send
-    rows (local contiguous rows, negative for padding), input split sizes, the zigzag slots arrivals land on, output
-    split sizes and this rank's padding slots. None (the same on every rank, since it depends on the whole group only)
-    when tokens are not in source order on some zigzag rank or too much padding would travel.
-    """
-    group_size, zigzag_count = len(group_ranks), plan.zigzag_local_token_count
-    contiguous_count = plan.contiguous_local_token_count
-    logical = group_ranks.index(own_rank)
-    slots = rank_order_indices.view(group_size, zigzag_count)
-    padding = slots < 0
-    token_owner = torch.div(slots, max(contiguous_count, 1), rounding_mode="floor").masked_fill_(padding, group_size)
-    owner = token_owner.flip(1).cummin(1).values.flip(1)
-    if not torch.equal(owner.masked_fill(padding, group_size), token_owner):
-        return None
-    # counts[p][q] = [tokens, padding slots] on zigzag rank p in source rank q's block (q = group_size: trailing
-    # padding, in no block), from one bincount of (p, q, is padding).
-    cells = 2 * (group_size + 1)
-    bins = torch.arange(0, group_size * cells, cells).unsqueeze(1) + 2 * owner + padding
-    counts = torch.bincount(bins.flatten(), minlength=group_size * cells).view(group_size, -1, 2).tolist()
-    moved = [counts[p][q] for p in range(group_size) for q in range(group_size) if q != p]
-    if sum(pads for _, pads in moved) * _PADDING_ROW_COST > sum(tokens for tokens, _ in moved):
-        return None
-    send_rows = slots[owner == logical] - logical * contiguous_count  # padding stays negative
-    block_sizes = [sum(counts[p][logical]) for p in range(group_size)]
-    send_rows, input_sizes = _in_group_order(send_rows, block_sizes, group_ranks)
-    arrival_counts = [sum(counts[logical][q]) for q in range(group_size)]
-    receive_slots, output_sizes = _in_group_order(torch.arange(sum(arrival_counts)), arrival_counts, group_ranks)
-    return send_rows, input_sizes, receive_slots, output_sizes, torch.nonzero(padding[logical]).flatten()
-
-
 def _field_exchange(plan: THDCPLayoutPlan) -> _Exchange:
-    """The contiguous -> zigzag exchange as the plan's fields give it (tokens only; see ``_rank_order_exchange``)."""
+    """The contiguous -> zigzag exchange as the plan's fields give it: real tokens only, so every rank holding a plan
+    with the same fields sends and receives the same counts."""
     positions = plan.forward_receive_positions
     padding = torch.ones(plan.zigzag_local_token_count, dtype=torch.bool)
     padding[positions] = False
@@ -545,17 +455,6 @@ def _field_exchange(plan: THDCPLayoutPlan) -> _Exchange:
     )
 
 
-def _exchange(host: THDCPLayoutPlan, own_rank: int) -> _Exchange:
-    """``own_rank``'s contiguous -> zigzag exchange, derived once per plan from the remembered rank order (which it
-    then lets go) or from the plan's fields."""
-    exchanges = _EXCHANGES.setdefault(host, {})
-    if own_rank not in exchanges:
-        remembered = _RANK_ORDERS.pop(host, None)
-        exchange = None if remembered is None else _rank_order_exchange(host, *remembered, own_rank)
-        exchanges[own_rank] = exchange or _field_exchange(host)
-    return exchanges[own_rank]
-
-
 def _token_moves(plan: THDCPLayoutPlan, to_zigzag: bool, own_rank: int) -> _TokenMoves:
     """This rank's moves for converting with ``plan`` in one direction, derived once per plan and direction.
 
@@ -566,8 +465,12 @@ def _token_moves(plan: THDCPLayoutPlan, to_zigzag: bool, own_rank: int) -> _Toke
     key = (to_zigzag, own_rank)
     if key in moves_of_plan:
         return moves_of_plan[key]
-    host = _HOST_PLANS.get(plan) or plan.to("cpu")
-    send_rows, input_sizes, receive_slots, output_sizes, padding = _exchange(host, own_rank)
+    host = _HOST_PLANS.get(plan)
+    if host is None:
+        host = plan.to("cpu")
+        if host is not plan:  # one device-to-host copy for both directions (a value holding its key would never go)
+            _HOST_PLANS[plan] = host
+    send_rows, input_sizes, receive_slots, output_sizes, padding = _field_exchange(host)
     contiguous_count, zigzag_count = host.contiguous_local_token_count, host.zigzag_local_token_count
     device = plan.forward_send_indices.device
     costs = _HOST_COSTS if device.type == "cpu" else _ACCELERATOR_COSTS
