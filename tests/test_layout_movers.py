@@ -44,13 +44,3 @@ def test_every_form_copies_the_mapped_rows(form: str, implicit: str | None, tran
     expected = torch.zeros(50, 2, 3)
     expected[targets] = source[sources]
     assert torch.equal(destination, expected)
-
-
-def test_gather_and_scatter_skip_negative_rows():
-    source = torch.arange(10.0).unsqueeze(1)
-    gathered = torch.full((4, 1), -7.0)
-    _RowMap.gather(torch.tensor([3, -1, 4, 5])).apply(gathered, source)
-    assert gathered.flatten().tolist() == [3.0, -7.0, 4.0, 5.0]
-    scattered = torch.full((6, 1), -7.0)
-    _RowMap.scatter(torch.tensor([5, -1, 0, 1])).apply(scattered, source)
-    assert scattered.flatten().tolist() == [2.0, 3.0, -7.0, -7.0, -7.0, 0.0]

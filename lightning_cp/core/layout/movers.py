@@ -283,19 +283,13 @@ class _RowMap:
 
     @staticmethod
     def gather(rows: torch.Tensor, costs: _CopyCosts = _HOST_COSTS) -> _RowMap:
-        """``destination[i] = source[rows[i]]`` wherever ``rows[i]`` is a row (non-negative)."""
-        carried = rows >= 0
-        if bool(carried.all()):
-            return _RowMap.build(rows, None, costs)
-        return _RowMap.build(rows[carried], torch.nonzero(carried).flatten(), costs)
+        """``destination[i] = source[rows[i]]``."""
+        return _RowMap.build(rows, None, costs)
 
     @staticmethod
     def scatter(slots: torch.Tensor, costs: _CopyCosts = _HOST_COSTS) -> _RowMap:
-        """``destination[slots[i]] = source[i]`` wherever ``slots[i]`` is a row (non-negative)."""
-        taken = slots >= 0
-        if bool(taken.all()):
-            return _RowMap.build(None, slots, costs)
-        return _RowMap.build(torch.nonzero(taken).flatten(), slots[taken], costs)
+        """``destination[slots[i]] = source[i]``."""
+        return _RowMap.build(None, slots, costs)
 
     def to(self, device: torch.device) -> _RowMap:
         """Return the map with its index tensors on ``device``."""
@@ -361,7 +355,7 @@ def _first_of_run(rows: torch.Tensor, length: int) -> int | None:
     if count == 0:
         return 0
     first, last = int(rows[0]), int(rows[-1])
-    if first < 0 or last - first != count - 1 or last >= length:
+    if last - first != count - 1 or last >= length:
         return None
     return first if count <= 2 or torch.equal(rows, torch.arange(first, last + 1)) else None
 
