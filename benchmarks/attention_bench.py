@@ -79,32 +79,33 @@ def _layout_tokens(workload: Workload, cp: int, layout: str) -> list[zigzag.Rank
 
 
 def _shard(x: torch.Tensor, tokens: zigzag.RankTokens, offsets: torch.Tensor) -> torch.Tensor:
-    """Gather one rank's half-major slots of a flat ``[N, H, D]`` tensor as ``[1, H, T, D]`` (zeros in padding)."""
+    """One rank's slots of a flat ``[N, H, D]`` tensor in its local token order, ``[T, H, D]`` (zeros in padding)."""
     valid = tokens.doc >= 0
     index = torch.where(valid, offsets[tokens.doc.clamp(min=0)] + tokens.pos, 0)
-    local = x.index_select(0, index) * valid.view(-1, 1, 1)
-    return local.permute(1, 0, 2).unsqueeze(0).contiguous()
+    half_major = x.index_select(0, index) * valid.view(-1, 1, 1)
+    return half_major if tokens.perm is None else half_major.index_select(0, torch.argsort(tokens.perm))
 
 
 def _rank_time(workload: Workload, tokens: list[zigzag.RankTokens], rank: int, tensors: tuple) -> float:
-    """Seconds of one rank's forward + backward against every rank's K/V (the all-gather computation)."""
-    q, k, v = tensors
+    """CPU seconds of one rank's forward + backward against every rank's K/V, run as ``allgather`` runs it (the same
+    tiles and key pieces) without a group."""
     offsets = torch.tensor([0, *workload.lengths]).cumsum(0)
     plan = kernels.build_block_plan(tokens, rank, True, torch.device("cpu"))
-    q_local = _shard(q, tokens[rank], offsets).requires_grad_()
-    kv_all = torch.stack([torch.stack([_shard(k, t, offsets), _shard(v, t, offsets)]) for t in tokens])
-    kv_all.requires_grad_()
-    start = time.perf_counter()
-    out = attention._GatheredAttention.apply(q_local, kv_all, plan, kernels.CPU_FLASH, HEAD_DIM**-0.5)
+    shards = [[_shard(x, t, offsets) for x in tensors] for t in tokens]
+    q, k, v = (x.requires_grad_() for x in shards[rank])
+    kv_all = torch.stack([torch.stack(shard[1:]) for shard in shards])
+    sent = torch.zeros_like(kv_all)
+    start = time.thread_time()
+    out = attention.emulated_rank_attention(q, k, v, kv_all, sent, plan, scale=HEAD_DIM**-0.5, kernel=kernels.CPU_FLASH)
     out.backward(torch.ones_like(out))
-    return time.perf_counter() - start
+    return time.thread_time() - start
 
 
 def balance_table(total: int, cp: int, repeats: int) -> str:
     """Unmasked pairs and measured forward+backward time per rank, zigzag versus contiguous, causal."""
     lines = [
         f"### Work balance, causal, cp={cp} (time: forward+backward per rank, 1 head x {HEAD_DIM}, float32, "
-        f"cpu_flash, min of {repeats}, ranks run one after another on one thread)",
+        f"cpu_flash, min of {repeats}, CPU time, ranks run one after another on one thread)",
         "",
         "| workload | layout | query-key pairs per rank (M) | pairs max/mean | time per rank (ms) | time max/mean |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -304,6 +305,16 @@ def _shard_trial(workload: Workload, mode: str, track_memory: bool) -> dict[str,
     return {"peak": peak} if track_memory else {"seconds": seconds, "thread": thread}
 
 
+def _emulated_trial(workload: Workload, cp: int) -> dict[str, float]:
+    """Process body: the slowest rank's CPU seconds (best of two) of one forward + backward with every rank's work
+    run one after another in this process through the same tiles, key pieces and kernels as ``allgather``, the
+    exchange replaced by local copies: the compute side alone, without gloo or ranks sharing cores."""
+    tokens = _layout_tokens(workload, cp, "zigzag")
+    tensors = tuple(torch.randn(sum(workload.lengths), EFFICIENCY_HEADS, HEAD_DIM) for _ in range(3))
+    _rank_time(workload, tokens, 0, tensors)  # warm-up
+    return {"thread": max(min(_rank_time(workload, tokens, rank, tensors) for _ in range(2)) for rank in range(cp))}
+
+
 def _trial(workload: Workload, cp: int, mode: str, checkout: Path | None, timed: bool = True) -> dict[str, float]:
     """Peak MiB of the highest rank (a run with memory tracking) and, if ``timed``, CPU seconds of the slowest rank,
     all threads and the calling one (a run without), of one trial, with this code or, in a child interpreter, the code
@@ -345,7 +356,9 @@ def efficiency_table(
         "the tokens / cp), target <= 1.2; efficiency = the slowest rank's CPU seconds x cp / SDPA's CPU seconds for "
         "the same work at one thread (packed: SDPA per document), target <= 1.1, counting all the rank's threads "
         "(compute and gloo's copying through loopback sockets) or the compute thread alone; CPU time, not wall time, "
-        f"since the ranks share the cores; '-': not timed){compared}",
+        "since the ranks share the cores; 'emulated in one process': every rank's work run one after another in one "
+        "process through the same tiles and kernels, the exchange replaced by local copies (the compute side "
+        f"alone, this checkout only); '-': not timed){compared}",
         "",
         f"| workload | cp | mode | peak MiB per rank ({columns}) | memory ({columns}) | efficiency, all threads "
         f"({columns}) | efficiency, compute thread ({columns}) |",
@@ -362,6 +375,10 @@ def efficiency_table(
             reference = f"1.00 ({sdpa_seconds:.1f} s) | 1.00" if timed else "- | -"
             lines.append(f"| {workload.name} | SDPA | 1 process | {sdpa_peak:.0f} | 1.00 | {reference} |")
             for cp in cps:
+                if timed and cp > 1:
+                    (emulated,) = launch(_emulated_trial, 1, workload, cp, track_memory=False)
+                    compute = f"{emulated['thread'] * cp / sdpa_seconds:.2f}"
+                    lines.append(f"| {workload.name} | {cp} | emulated in one process | - | - | - | {compute} |")
                 for mode in ("allgather", "ring"):
                     checkouts = [baseline] if baseline else []
                     runs = [_trial(workload, cp, mode, checkout, timed) for checkout in [*checkouts, None]]

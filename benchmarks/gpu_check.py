@@ -399,23 +399,53 @@ def rank_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     kv_all: torch.Tensor,
+    sent: torch.Tensor,
     geometry: ZigzagGeometry,
     rank: int,
     *,
     packed: bool,
     kernel: str,
 ) -> torch.Tensor:
-    """CP rank ``rank``'s attention (autograd gives its backward) as the library runs it with mode='allgather', in
-    this process: the K/V all-gather returns ``kv_all`` (every rank's K/V, ``[cp, 2, B, Hkv, S_local, D]``, half-major
-    order), so the library's own code computes this rank's blocks; no process group is involved."""
+    """CP rank ``rank``'s attention as the library runs it with mode='allgather', in this process without a group:
+    ``kv_all`` (``[cp, 2, *k.shape]``) holds every rank's K/V in their local layout. Autograd gives dQ and this
+    rank's share of its own dK/dV; its shares of the other ranks' dK/dV are added into ``sent`` (what a group would
+    send to their owners). The library kernels run the same tiles and key pieces as training."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    with mock.patch.object(comm, "all_gather_stack", lambda kv, group: kv_all):
-        if kernel == "flash_attn":
-            return attention._flash_attention(q, k, v, None, geometry.rank_tokens, rank, packed, True, scale)
-        plan, perm = attention._block_plan(geometry, rank, True, q.device)
-        return attention.context_parallel_attention(
-            q, k, v, None, plan, perm, packed=packed, scale=scale, mode="allgather", kernel=attention._KERNELS[kernel]
-        )
+    if kernel == "flash_attn":
+        return flash_rank_attention(q, k, v, kv_all, sent, geometry, rank, packed=packed, scale=scale)
+    plan, _ = attention._block_plan(geometry, rank, True, q.device)
+    library_kernel = attention._KERNELS[kernel]
+    return attention.emulated_rank_attention(q, k, v, kv_all, sent, plan, scale=scale, kernel=library_kernel)
+
+
+def flash_rank_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_all: torch.Tensor,
+    sent: torch.Tensor,
+    geometry: ZigzagGeometry,
+    rank: int,
+    *,
+    packed: bool,
+    scale: float,
+) -> torch.Tensor:
+    """``rank_attention`` for the flash-attn path, which all-gathers K/V whole: the all-gather returns this rank's
+    K/V and the others' from ``kv_all`` (half-major), and the gradient reaching the others' is added into ``sent``."""
+    cp = geometry.cp_size
+    perms = [rank_perm(geometry, src, q.device) for src in range(cp)]
+    internal = [torch.stack([attention._to_internal(x, packed, perms[src]) for x in kv_all[src]]) for src in range(cp)]
+    others = torch.stack(internal).requires_grad_()
+
+    def send_back(grad: torch.Tensor) -> None:
+        for src in range(cp):
+            for part in range(2 * (src != rank)):
+                sent[src, part] += attention._from_internal(grad[src, part], packed, perms[src]).to(sent.dtype)
+
+    others.register_hook(send_back)
+    gather = lambda kv, group: torch.cat([others[:rank], kv.unsqueeze(0), others[rank + 1 :]])  # noqa: E731
+    with mock.patch.object(comm, "all_gather_stack", gather):
+        return attention._flash_attention(q, k, v, None, geometry.rank_tokens, rank, packed, True, scale)
 
 
 def rank_perm(geometry: ZigzagGeometry, rank: int, device: torch.device) -> torch.Tensor | None:
@@ -424,13 +454,10 @@ def rank_perm(geometry: ZigzagGeometry, rank: int, device: torch.device) -> torc
     return None if perm is None else perm.to(device)
 
 
-def gathered_kv(ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], geometry: ZigzagGeometry, packed: bool):
-    """What the all-gather returns: every rank's K and V in the kernels' half-major layout, stacked."""
-    parts = []
-    for rank, (k, v) in enumerate(zip(ks, vs, strict=True)):
-        perm = rank_perm(geometry, rank, k.device)
-        parts.append(torch.stack([attention._to_internal(x, packed, perm) for x in (k, v)]))
-    return torch.stack(parts)
+def stacked_kv(shards: Sequence[Sequence[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's K and V stacked ``[cp, 2, ...]`` (what the ranks exchange), and zeroed ``sent`` gradients."""
+    kv_all = torch.stack([torch.stack([k, v]) for k, v in shards])
+    return kv_all, torch.zeros_like(kv_all, dtype=attention.accumulation_dtype(kv_all.dtype))
 
 
 def geometry_of(case_lengths: Sequence[int], cp: int, packed: bool) -> ZigzagGeometry:
@@ -444,27 +471,25 @@ def geometry_of(case_lengths: Sequence[int], cp: int, packed: bool) -> ZigzagGeo
 
 
 def emulated_ranks(case: Case, cp: int, kernel: str) -> tuple[dict[str, Error], list[str]]:
-    """Every rank's local work at ``cp``; dK/dV summed over ranks as the all-gather's backward does."""
+    """Every rank's local work at ``cp``; dK/dV summed over ranks as the group's exchange does."""
     geometry = geometry_of(case.lengths, cp, case.packed)
     indexes = [zigzag_index(case.lengths, cp, rank) for rank in range(cp)]
     shards = [[shard(x, index, case.packed) for x in (case.q, case.k, case.v, case.dout)] for index in indexes]
-    kv_all = gathered_kv([s[1] for s in shards], [s[2] for s in shards], geometry, case.packed)
+    kv_all, sent = stacked_kv([(s[1], s[2]) for s in shards])
     errors: dict[str, Error] = dict.fromkeys(GRADIENTS, (0.0, 0.0, 0))
     problems: list[str] = []
-    kv_grads = []
+    own_grads = []
     for rank, (q, k, v, dout) in enumerate(shards):
-        q_leaf, kv_leaf = q.clone().requires_grad_(), kv_all.clone().requires_grad_()
-        out = rank_attention(q_leaf, k, v, kv_leaf, geometry, rank, packed=case.packed, kernel=kernel)
+        q_leaf, k_leaf, v_leaf = (x.clone().requires_grad_() for x in (q, k, v))
+        out = rank_attention(q_leaf, k_leaf, v_leaf, kv_all, sent, geometry, rank, packed=case.packed, kernel=kernel)
         out.backward(dout)
-        kv_grads.append(kv_leaf.grad)
+        own_grads.append((k_leaf.grad, v_leaf.grad))
         for name, got in (("out", out.detach()), ("dq", q_leaf.grad)):
             error, problem = slot_errors(name, got, case, indexes[rank])
             errors[name], problems = combined(errors[name], error), problems + [problem] * bool(problem)
-    dkv = torch.stack(kv_grads).sum(0)
     for rank in range(cp):
-        perm = rank_perm(geometry, rank, dkv.device)
         for name, part in (("dk", 0), ("dv", 1)):
-            got = attention._from_internal(dkv[rank, part], case.packed, perm)
+            got = own_grads[rank][part] + sent[rank, part]
             error, problem = slot_errors(name, got, case, indexes[rank])
             errors[name], problems = combined(errors[name], error), problems + [problem] * bool(problem)
     return errors, problems
@@ -840,31 +865,37 @@ def rank_step(settings: Settings, geometry: ZigzagGeometry, rank: int, packed: b
     heads, dim, device, dtype = settings.perf_heads, settings.perf_head_dim, settings.device, settings.torch_dtype
     local, cp = geometry.zigzag_local_token_count, geometry.cp_size
     shape = (local, heads, dim) if packed else (local, 1, heads, dim)
-    q = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
-    k, v, dout = (torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
-    kv_all = torch.randn((cp, 2, 1, heads, local, dim), device=device, dtype=dtype, requires_grad=True)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    dout = torch.randn(shape, device=device, dtype=dtype)
+    kv_all, sent = stacked_kv([(torch.randn_like(k), torch.randn_like(v)) for _ in range(cp)])
 
     def step() -> None:
-        q.grad = kv_all.grad = None
-        rank_attention(q, k, v, kv_all, geometry, rank, packed=packed, kernel=kernel).backward(dout)
+        q.grad = k.grad = v.grad = None
+        rank_attention(q, k, v, kv_all, sent, geometry, rank, packed=packed, kernel=kernel).backward(dout)
 
     return step
 
 
 def math_memory_problem(settings: Settings, geometry: ZigzagGeometry) -> str:
-    """Why the math kernel cannot run this geometry on the GPU (it materialises float32 scores per block), or ''."""
+    """Why the math kernel cannot run this geometry on the GPU (it materialises float32 scores per tile), or ''."""
     if settings.device != "cuda":
         return ""
     largest = 0
     for rank in range(geometry.cp_size):
         plan, _ = attention._block_plan(geometry, rank, True, torch.device("cpu"))
-        blocks = [b for source in plan.blocks for b in source]
-        largest = max([largest, *((b.rows.stop - b.rows.start) * (b.cols.stop - b.cols.start) for b in blocks)])
+        tiles = [t for source in plan.tiles for t in source]
+        tiles += [t for source in plan.piece_tiles for piece in source for t in piece]
+        largest = max([largest, *(index_count(t.rows) * index_count(t.cols) for t in tiles)])
     needed = 6 * largest * settings.perf_heads * 4
     free = torch.cuda.mem_get_info()[0]
     if needed > 0.7 * free:
         return f"math kernel would need ~{needed / 2**30:.0f} GiB of score buffers ({free / 2**30:.0f} GiB free)"
     return ""
+
+
+def index_count(index: slice | torch.Tensor) -> int:
+    """How many rows a tile's slice or index tensor addresses."""
+    return index.stop - index.start if isinstance(index, slice) else index.numel()
 
 
 def measure_performance(settings: Settings, report: Report, budget: Budget) -> None:

@@ -102,27 +102,34 @@ def test_contiguous_sharding_through_the_same_blocks_matches_reference(backend):
     torch.manual_seed(1)
     q, k, v = (torch.randn(sum(lengths), 1, h, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
     doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    expected = reference_attention(q, k, v, doc, causal=True)
+    expected = reference_attention(q, k, v, doc, causal=True)[:, 0]
     tokens = [zigzag.contiguous_rank_tokens(lengths, cp, rank) for rank in range(cp)]
     per_rank = tokens[0].doc.shape[0]
-    kv_all = torch.stack([torch.stack([_contiguous_internal(x, rank, per_rank) for x in (k, v)]) for rank in range(cp)])
+    q_parts, k_parts, v_parts = (_stream_slices(x, cp, per_rank) for x in (q, k, v))
+    kv_all = torch.stack([torch.stack(pair) for pair in zip(k_parts, v_parts, strict=True)]).detach()
+    sent = torch.zeros_like(kv_all)
     outs = []
     for rank in range(cp):
         plan = kernels.build_block_plan(tokens, rank, True, torch.device("cpu"))
-        q_local = _contiguous_internal(q, rank, per_rank)
-        outs.append(attention._GatheredAttention.apply(q_local, kv_all, plan, attention._KERNELS[backend], 8**-0.5))
-    got = torch.cat(outs, dim=2)[0].permute(1, 0, 2)[: sum(lengths)]
-    assert (got - expected[:, 0]).abs().max() < 1e-10
+        parts = (q_parts[rank], k_parts[rank], v_parts[rank])
+        outs.append(
+            attention.emulated_rank_attention(
+                *parts, kv_all, sent, plan, scale=8**-0.5, kernel=attention._KERNELS[backend]
+            )
+        )
+    got = torch.cat(outs)[: sum(lengths)]
+    assert (got - expected).abs().max() < 1e-10
     dout = torch.randn_like(got)
-    grads = torch.autograd.grad(got, (q, k, v), dout)
-    expected_grads = torch.autograd.grad(expected[:, 0], (q, k, v), dout)
-    assert max((a - b).abs().max().item() for a, b in zip(grads, expected_grads, strict=True)) < 1e-10
+    dq, dk, dv = torch.autograd.grad(got, (q, k, v), dout)
+    dk, dv = (own + sent[:, part].flatten(0, 1)[: sum(lengths)].unsqueeze(1) for part, own in enumerate((dk, dv)))
+    expected_grads = torch.autograd.grad(expected, (q, k, v), dout)
+    assert max((a - b).abs().max().item() for a, b in zip((dq, dk, dv), expected_grads, strict=True)) < 1e-10
 
 
-def _contiguous_internal(x: torch.Tensor, rank: int, per_rank: int) -> torch.Tensor:
-    """Rank ``rank``'s slice of the flat ``[N, 1, H, D]`` stream (zero-padded at the end) as ``[1, H, T, D]``."""
-    padded = torch.cat([x[:, 0], x.new_zeros(max(0, (rank + 1) * per_rank - x.shape[0]), *x.shape[2:])])
-    return padded[rank * per_rank : (rank + 1) * per_rank].permute(1, 0, 2).unsqueeze(0)
+def _stream_slices(x: torch.Tensor, cp: int, per_rank: int) -> list[torch.Tensor]:
+    """Every rank's slice ``[T, H, D]`` of the flat ``[N, 1, H, D]`` stream, zero-padded at the end."""
+    padded = torch.cat([x[:, 0], x.new_zeros(cp * per_rank - x.shape[0], *x.shape[2:])])
+    return list(padded.split(per_rank))
 
 
 def test_single_document_block_masks_interleaved_positions():

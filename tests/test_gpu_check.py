@@ -13,6 +13,7 @@ import pytest
 
 from lightning_cp.core.attention import api, kernels
 from lightning_cp.train.runfolder import RUN_DIR_ENV
+from tests.attention_helpers import fake_varlen
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
 EXACTNESS_SECTIONS = ("attention", "group")
@@ -65,4 +66,18 @@ def test_an_attention_kernel_that_is_slightly_wrong_fails_the_exactness_check(mo
 
     monkeypatch.setitem(api._KERNELS, "math", kernels.BlockKernel("math", scaled_forward, kernels.math_backward))
     row, status, _ = gpu_check.exactness_row(case, 2, "math")
+    assert status == "FAIL", row
+
+
+@pytest.mark.timeout(120)
+def test_the_flash_attn_path_is_emulated_exactly_with_every_rank_s_gradients(monkeypatch) -> None:
+    """The flash path (a plain-torch stand-in for flash-attn's varlen kernel here) passes at cp=2 and cp=4, dK/dV
+    summed over the emulated ranks; a 1% error in the kernel fails."""
+    gpu_check = _load_script(monkeypatch)
+    settings = gpu_check.dry_run_settings(60.0)
+    case = gpu_check.make_case(settings, packed=True)
+    monkeypatch.setattr(api, "flash_attn_varlen_func", lambda: fake_varlen)
+    assert [gpu_check.exactness_row(case, cp, "flash_attn")[1] for cp in (2, 4)] == ["PASS", "PASS"]
+    monkeypatch.setattr(api, "flash_attn_varlen_func", lambda: lambda *a, **kw: fake_varlen(*a, **kw) * 1.01)
+    row, status, _ = gpu_check.exactness_row(case, 2, "flash_attn")
     assert status == "FAIL", row

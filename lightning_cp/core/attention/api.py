@@ -39,7 +39,6 @@ from lightning_cp.core.attention.kernels import (
     flash_attn_varlen_func,
     forward_source,
     halves,
-    new_accumulator,
 )
 from lightning_cp.core.consensus import require_agreement, tensor_description
 from lightning_cp.core.packed import PackedSeqParams, host_copies, host_offsets
@@ -312,16 +311,9 @@ def context_parallel_attention(
     mode: str,
     kernel: BlockKernel,
 ) -> Tensor:
-    """Run CP attention for any sharding, given its block plan and local-to-half-major ``perm``; no validation.
-
-    With no group but a plan over several ranks (one rank's work emulated in a single process), every rank's K/V
-    come from ``comm.all_gather_stack`` in half-major order, which the emulation provides.
-    """
+    """Run CP attention for any sharding, given its block plan and local-to-half-major ``perm``; no validation."""
     if cp_group is None and plan.cp > 1:
-        perm = None if perm is None else perm.to(q.device)
-        qi, ki, vi = (_to_internal(x, packed, perm) for x in (q, k, v))
-        kv_all = comm.all_gather_stack(torch.stack([ki, vi]), cp_group)
-        return _from_internal(_GatheredAttention.apply(qi, kv_all, plan, kernel, scale), packed, perm)
+        raise ValueError(f"a block plan over {plan.cp} ranks needs their process group (or emulated_rank_attention)")
     exchange = _LocalKV() if plan.cp == 1 else _RingKV(cp_group) if mode == "ring" else _GatheredKV(cp_group)
     return _ShardAttention.apply(q, k, v, plan, kernel, scale, exchange)
 
@@ -509,31 +501,43 @@ class _RingKV:
             grads[0][rows], grads[1][rows] = own[0], own[1]
 
 
-class _GatheredAttention(torch.autograd.Function):
-    """Local half-major queries ``[B, Hq, S, D]`` against every rank's K/V given at once ``[cp, 2, B, Hkv, S, D]``
-    (single-process emulation and tests); the gradient of that stack holds every source's dK/dV."""
+class _EmulatedKV:
+    """One rank of a CP group run alone in this process: every rank's K/V are given at once, in their local layout
+    (``kv_all`` ``[cp, 2, ...]``); the dK/dV this rank computes for another rank's keys, which a group would send to
+    their owner, are added into ``sent`` (the same shape, accumulation dtype)."""
 
-    @staticmethod
-    def forward(ctx, q, kv_all, plan, kernel, scale):  # type: ignore[override]
-        out, lse = new_accumulator(q)
-        for src in range(plan.cp):
-            forward_source(out, lse, q, kv_all[src, 0], kv_all[src, 1], plan.blocks[src], kernel, scale)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, kv_all, out, lse)
-        ctx.plan, ctx.kernel, ctx.scale = plan, kernel, scale
-        return out
+    def __init__(self, rank: int, kv_all: Tensor, sent: Tensor) -> None:
+        self.rank, self.kv_all, self.sent = rank, kv_all, sent
 
-    @staticmethod
-    def backward(ctx, dout):  # type: ignore[override]
-        q, kv_all, out, lse = ctx.saved_tensors
-        acc = accumulation_dtype(q.dtype)
-        dq, dkv_all = torch.zeros_like(q, dtype=acc), torch.zeros_like(kv_all, dtype=acc)
-        for src in range(ctx.plan.cp):
-            grads = (dq, dkv_all[src, 0], dkv_all[src, 1])
-            backward_source(
-                grads, (dout, q, out, lse), kv_all[src, 0], kv_all[src, 1], ctx.plan.blocks[src], ctx.kernel, ctx.scale
-            )
-        return dq.to(q.dtype), dkv_all.to(kv_all.dtype), None, None, None
+    def sources(self, k: Tensor, v: Tensor, visit: _SourceVisit) -> None:
+        for src in range(self.kv_all.shape[0]):
+            keys, values = (k, v) if src == self.rank else self.kv_all[src]
+            visit(src, keys, values)
+
+    def pieces(
+        self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice | Tensor], visit: _PieceVisit
+    ) -> None:
+        for src in range(self.kv_all.shape[0]):
+            keys, values = (k, v) if src == self.rank else self.kv_all[src]
+            owner = grads if src == self.rank else self.sent[src]
+            for index, rows in enumerate(pieces):
+                partial = keys.new_zeros((2, *keys[rows].shape), dtype=grads[0].dtype)
+                visit(src, index, keys[rows], values[rows], partial[0], partial[1])
+                owner[0][rows] += partial[0]
+                owner[1][rows] += partial[1]
+
+
+def emulated_rank_attention(
+    q: Tensor, k: Tensor, v: Tensor, kv_all: Tensor, sent: Tensor, plan: BlockPlan, *, scale: float, kernel: BlockKernel
+) -> Tensor:
+    """Rank ``plan.rank``'s attention exactly as ``allgather`` runs it (the same tiles, pieces and kernels), in this
+    process without a group: for tests, benchmarks and the GPU check.
+
+    ``kv_all`` ``[cp, 2, *k.shape]`` holds every rank's K and V; autograd returns this rank's dQ and its own share of
+    dK/dV, and the shares of the other ranks' dK/dV are added into ``sent`` (zeros like ``kv_all`` in the
+    accumulation dtype), so summing both over the emulated ranks gives the group's gradients.
+    """
+    return _ShardAttention.apply(q, k, v, plan, kernel, scale, _EmulatedKV(plan.rank, kv_all, sent))
 
 
 def _flash_attention(

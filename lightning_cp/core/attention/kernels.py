@@ -517,12 +517,6 @@ def _merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) 
     lse.copy_(merged)
 
 
-def new_accumulator(q: Tensor) -> tuple[Tensor, Tensor]:
-    """Empty partial results for ``[B, H, S, D]`` queries: output 0 and log-sum-exp ``-inf`` for every row."""
-    acc = accumulation_dtype(q.dtype)
-    return q.new_zeros(q.shape, dtype=acc), q.new_full(q.shape[:3], -math.inf, dtype=acc)
-
-
 def forward_source(
     out: Tensor,
     lse: Tensor,
