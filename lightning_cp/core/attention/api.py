@@ -521,8 +521,9 @@ class _EmulatedKV:
             keys, values = (k, v) if src == self.rank else self.kv_all[src]
             owner = grads if src == self.rank else self.sent[src]
             for index, rows in enumerate(pieces):
-                partial = keys.new_zeros((2, *keys[rows].shape), dtype=grads[0].dtype)
-                visit(src, index, keys[rows], values[rows], partial[0], partial[1])
+                k_piece, v_piece = keys[rows], values[rows]
+                partial = k_piece.new_zeros((2, *k_piece.shape), dtype=grads[0].dtype)
+                visit(src, index, k_piece, v_piece, partial[0], partial[1])
                 owner[0][rows] += partial[0]
                 owner[1][rows] += partial[1]
 

@@ -224,7 +224,7 @@ class Block:
 class BlockPlan:
     """The blocks one rank computes against each source rank's keys, empty ones left out, in two forms.
 
-    ``blocks[src]``: whole document blocks, half-major order (work accounting, and attention on half-major copies).
+    ``blocks[src]``: whole document blocks, half-major order, which the tiles are cut from (the work they account for).
     ``tiles[src]``: the same pairs in local order, rows cut into tiles (causal blocks' columns too): the forward.
     ``pieces``: the key pieces every source's local rows are cut into (the same rows on every rank); ``piece_tiles[src]
     [j]``: the tiles meeting piece ``j`` of source ``src``, columns numbered within the piece: the backward.
