@@ -93,7 +93,7 @@ def _rank_time(workload: Workload, tokens: list[zigzag.RankTokens], rank: int, t
     plan = kernels.build_block_plan(tokens, rank, True, torch.device("cpu"))
     shards = [[_shard(x, t, offsets) for x in tensors] for t in tokens]
     q, k, v = (x.requires_grad_() for x in shards[rank])
-    kv_all = torch.stack([torch.stack(shard[1:]) for shard in shards])
+    kv_all = torch.stack([torch.stack(shard[1:]) for shard in shards]).detach()
     sent = torch.zeros_like(kv_all)
     start = time.thread_time()
     out = attention.emulated_rank_attention(q, k, v, kv_all, sent, plan, scale=HEAD_DIM**-0.5, kernel=kernels.CPU_FLASH)

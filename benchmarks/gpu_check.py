@@ -4,8 +4,8 @@ rank's attention work, and a short run of the main job, in one markdown report.
 Sections (``--sections``, comma-separated; default all):
 
 - ``attention``: every library backend in bf16 against a float32 reference, dense and packed, through the public
-  ``zigzag_attention`` at cp=1 and, for cp > 1, through each rank's local work run in this process (the K/V
-  all-gather replaced by every rank's K/V, what it returns); judged against SDPA-bf16's own error.
+  ``zigzag_attention`` at cp=1 and, for cp > 1, through each rank's local work run in this process
+  (``emulated_rank_attention``: the training tiles with every rank's K/V given); judged against SDPA-bf16's own error.
 - ``group``: a real gloo group of 4 processes on the device: layout round trips (``lightning_cp.layout``) compared
   bit for bit, and the public ``zigzag_attention`` over the group (cp=4 and cp=2).
 - ``perf``: each rank's forward+backward attention time at cp=2/4/8 versus flash-attn (or SDPA) on the whole sequence
@@ -53,6 +53,7 @@ import torch.nn.functional as F
 import lightning_cp.attention as attention
 import lightning_cp.layout as layout
 from lightning_cp.core import comm
+from lightning_cp.core.attention import kernels
 from lightning_cp.core.zigzag import ZigzagGeometry
 from lightning_cp.packed import PackedSeqParams
 from lightning_cp.train.runfolder import METRICS_FILE, RUN_DIR_ENV, loss_series, read_metrics
@@ -405,45 +406,32 @@ def rank_attention(
     *,
     packed: bool,
     kernel: str,
+    gathered: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """CP rank ``rank``'s attention as the library runs it with mode='allgather', in this process without a group:
     ``kv_all`` (``[cp, 2, *k.shape]``) holds every rank's K/V in their local layout. Autograd gives dQ and this
     rank's share of its own dK/dV; its shares of the other ranks' dK/dV are added into ``sent`` (what a group would
-    send to their owners). The library kernels run the same tiles and key pieces as training."""
+    send to their owners). The library kernels run the same tiles and key pieces as training; the flash-attn path,
+    which all-gathers K/V whole, gets this rank's K/V and the others' (``gathered_kv``) from its all-gather, and
+    with ``gathered`` prepared once (timing) their gradient is computed but not collected."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    if kernel == "flash_attn":
-        return flash_rank_attention(q, k, v, kv_all, sent, geometry, rank, packed=packed, scale=scale)
-    plan, _ = attention._block_plan(geometry, rank, True, q.device)
-    library_kernel = attention._KERNELS[kernel]
-    return attention.emulated_rank_attention(q, k, v, kv_all, sent, plan, scale=scale, kernel=library_kernel)
-
-
-def flash_rank_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_all: torch.Tensor,
-    sent: torch.Tensor,
-    geometry: ZigzagGeometry,
-    rank: int,
-    *,
-    packed: bool,
-    scale: float,
-) -> torch.Tensor:
-    """``rank_attention`` for the flash-attn path, which all-gathers K/V whole: the all-gather returns this rank's
-    K/V and the others' from ``kv_all`` (half-major), and the gradient reaching the others' is added into ``sent``."""
-    cp = geometry.cp_size
-    perms = [rank_perm(geometry, src, q.device) for src in range(cp)]
-    internal = [torch.stack([attention._to_internal(x, packed, perms[src]) for x in kv_all[src]]) for src in range(cp)]
-    others = torch.stack(internal).requires_grad_()
+    if kernel != "flash_attn":
+        plan = attention._block_plan(geometry, rank, True, q.device)
+        library_kernel = attention._KERNELS[kernel]
+        return attention.emulated_rank_attention(q, k, v, kv_all, sent, plan, scale=scale, kernel=library_kernel)
+    perms = [rank_perm(geometry, src, q.device) for src in range(geometry.cp_size)]
+    others = gathered if gathered is not None else gathered_kv(kv_all, geometry, packed)
 
     def send_back(grad: torch.Tensor) -> None:
-        for src in range(cp):
-            for part in range(2 * (src != rank)):
+        for src in (src for src in range(geometry.cp_size) if src != rank):
+            for part in (0, 1):
                 sent[src, part] += attention._from_internal(grad[src, part], packed, perms[src]).to(sent.dtype)
 
-    others.register_hook(send_back)
-    gather = lambda kv, group: torch.cat([others[:rank], kv.unsqueeze(0), others[rank + 1 :]])  # noqa: E731
+    def gather(kv: torch.Tensor, group: object) -> torch.Tensor:
+        return torch.cat([others[:rank], kv.unsqueeze(0), others[rank + 1 :]])
+
+    if gathered is None:
+        others.register_hook(send_back)
     with mock.patch.object(comm, "all_gather_stack", gather):
         return attention._flash_attention(q, k, v, None, geometry.rank_tokens, rank, packed, True, scale)
 
@@ -454,10 +442,19 @@ def rank_perm(geometry: ZigzagGeometry, rank: int, device: torch.device) -> torc
     return None if perm is None else perm.to(device)
 
 
+def gathered_kv(kv_all: torch.Tensor, geometry: ZigzagGeometry, packed: bool) -> torch.Tensor:
+    """What the flash path's all-gather returns: every rank's K/V in the kernels' half-major layout, stacked (a leaf
+    that collects their gradient)."""
+    perms = [rank_perm(geometry, src, kv_all.device) for src in range(geometry.cp_size)]
+    pairs = zip(kv_all, perms, strict=True)
+    internal = [torch.stack([attention._to_internal(x, packed, perm) for x in kv]) for kv, perm in pairs]
+    return torch.stack(internal).requires_grad_()
+
+
 def stacked_kv(shards: Sequence[Sequence[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's K and V stacked ``[cp, 2, ...]`` (what the ranks exchange), and zeroed ``sent`` gradients."""
     kv_all = torch.stack([torch.stack([k, v]) for k, v in shards])
-    return kv_all, torch.zeros_like(kv_all, dtype=attention.accumulation_dtype(kv_all.dtype))
+    return kv_all, torch.zeros_like(kv_all)
 
 
 def geometry_of(case_lengths: Sequence[int], cp: int, packed: bool) -> ZigzagGeometry:
@@ -534,8 +531,8 @@ def check_attention(settings: Settings, report: Report, budget: Budget) -> None:
         f"Pass: every rms ratio <= {RMS_RATIO_LIMIT:g} and every max ratio <= {MAX_RATIO_LIMIT:g} (largest errors in "
         "bf16 come in whole ulps, so they are the coarser measure), finite values, zero output in padding slots. "
         "cp=1 goes through the public `zigzag_attention` without a group; cp > 1 runs every rank's local work (mode "
-        "allgather) in this process with the all-gather's result given, dK/dV summed over ranks as "
-        "the gather's backward sums them.",
+        "allgather, the same tiles and key pieces as training) in this process with every rank's K/V given, each "
+        "rank's shares of the others' dK/dV summed in the K/V dtype as the group's reduce sums them.",
         "",
     )
     for packed in (False, True):
@@ -868,10 +865,14 @@ def rank_step(settings: Settings, geometry: ZigzagGeometry, rank: int, packed: b
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     dout = torch.randn(shape, device=device, dtype=dtype)
     kv_all, sent = stacked_kv([(torch.randn_like(k), torch.randn_like(v)) for _ in range(cp)])
+    gathered = gathered_kv(kv_all, geometry, packed) if kernel == "flash_attn" else None
 
     def step() -> None:
         q.grad = k.grad = v.grad = None
-        rank_attention(q, k, v, kv_all, sent, geometry, rank, packed=packed, kernel=kernel).backward(dout)
+        if gathered is not None:
+            gathered.grad = None
+        out = rank_attention(q, k, v, kv_all, sent, geometry, rank, packed=packed, kernel=kernel, gathered=gathered)
+        out.backward(dout)
 
     return step
 
@@ -882,20 +883,15 @@ def math_memory_problem(settings: Settings, geometry: ZigzagGeometry) -> str:
         return ""
     largest = 0
     for rank in range(geometry.cp_size):
-        plan, _ = attention._block_plan(geometry, rank, True, torch.device("cpu"))
+        plan = attention._block_plan(geometry, rank, True, torch.device("cpu"))
         tiles = [t for source in plan.tiles for t in source]
         tiles += [t for source in plan.piece_tiles for piece in source for t in piece]
-        largest = max([largest, *(index_count(t.rows) * index_count(t.cols) for t in tiles)])
+        largest = max([largest, *(kernels.index_count(t.rows) * kernels.index_count(t.cols) for t in tiles)])
     needed = 6 * largest * settings.perf_heads * 4
     free = torch.cuda.mem_get_info()[0]
     if needed > 0.7 * free:
         return f"math kernel would need ~{needed / 2**30:.0f} GiB of score buffers ({free / 2**30:.0f} GiB free)"
     return ""
-
-
-def index_count(index: slice | torch.Tensor) -> int:
-    """How many rows a tile's slice or index tensor addresses."""
-    return index.stop - index.start if isinstance(index, slice) else index.numel()
 
 
 def measure_performance(settings: Settings, report: Report, budget: Budget) -> None:
@@ -908,8 +904,8 @@ def measure_performance(settings: Settings, report: Report, budget: Budget) -> N
         f"## (b) Compute-side efficiency ({settings.dtype}, {settings.perf_heads} heads x {settings.perf_head_dim}, "
         f"causal, forward+backward, library kernel `{kernel}`, mode allgather)",
         "",
-        "Every rank's local attention work runs in this process, one rank after another (the library's own code, the "
-        "all-gather's result given; communication excluded). Time: median of "
+        "Every rank's local attention work runs in this process, one rank after another (the library's own code and "
+        "tiles, every rank's K/V given; communication excluded). Time: median of "
         f"{settings.iters} after {settings.warmup} warm-up runs"
         f"{', CUDA events' if settings.device == 'cuda' else ''}. Efficiency = (whole-sequence time / cp) / (slowest "
         f"rank's time); target >= {EFFICIENCY_TARGET}"

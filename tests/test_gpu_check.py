@@ -71,13 +71,16 @@ def test_an_attention_kernel_that_is_slightly_wrong_fails_the_exactness_check(mo
 
 @pytest.mark.timeout(120)
 def test_the_flash_attn_path_is_emulated_exactly_with_every_rank_s_gradients(monkeypatch) -> None:
-    """The flash path (a plain-torch stand-in for flash-attn's varlen kernel here) passes at cp=2 and cp=4, dK/dV
-    summed over the emulated ranks; a 1% error in the kernel fails."""
+    """The flash path (a plain-torch stand-in for flash-attn's varlen kernel here) passes, packed at cp=2 and cp=4
+    and dense at cp=2, dK/dV summed over the emulated ranks; a 1% error in the kernel fails."""
     gpu_check = _load_script(monkeypatch)
     settings = gpu_check.dry_run_settings(60.0)
-    case = gpu_check.make_case(settings, packed=True)
+    case, dense = gpu_check.make_case(settings, packed=True), gpu_check.make_case(settings, packed=False)
     monkeypatch.setattr(api, "flash_attn_varlen_func", lambda: fake_varlen)
-    assert [gpu_check.exactness_row(case, cp, "flash_attn")[1] for cp in (2, 4)] == ["PASS", "PASS"]
+    rows = [gpu_check.exactness_row(case, cp, "flash_attn") for cp in (2, 4)] + [
+        gpu_check.exactness_row(dense, 2, "flash_attn")
+    ]
+    assert [status for _, status, _ in rows] == ["PASS"] * 3, rows
     monkeypatch.setattr(api, "flash_attn_varlen_func", lambda: lambda *a, **kw: fake_varlen(*a, **kw) * 1.01)
     row, status, _ = gpu_check.exactness_row(case, 2, "flash_attn")
     assert status == "FAIL", row

@@ -39,6 +39,7 @@ from lightning_cp.core.attention.kernels import (
     flash_attn_varlen_func,
     forward_source,
     halves,
+    index_count,
 )
 from lightning_cp.core.consensus import require_agreement, tensor_description
 from lightning_cp.core.packed import PackedSeqParams, host_copies, host_offsets
@@ -240,17 +241,15 @@ def attend_on_shards(
                                    kernel_name=kernel_name)  # fmt: skip
         return attend(q, k, v) if cp_group is None else head_parallel(q, k, v, cp_group, mode, attend)
     if mode == AttentionMode.HYBRID.value:
-        plan, perm = _block_plan(geometry, ring_group.rank(), causal, q.device)
-        attend = functools.partial(context_parallel_attention, cp_group=ring_group, plan=plan, perm=perm,
-                                   packed=packed, scale=scale, mode="ring", kernel=_KERNELS[kernel_name])  # fmt: skip
+        plan = _block_plan(geometry, ring_group.rank(), causal, q.device)
+        attend = functools.partial(context_parallel_attention, cp_group=ring_group, plan=plan, scale=scale,
+                                   mode="ring", kernel=_KERNELS[kernel_name])  # fmt: skip
         return head_parallel(q, k, v, ulysses_group, mode, attend)
     rank = 0 if cp_group is None else comm.group_rank(cp_group)
     if kernel_name == "flash_attn":
         return _flash_attention(q, k, v, cp_group, geometry.rank_tokens, rank, packed, causal, scale)
-    plan, perm = _block_plan(geometry, rank, causal, q.device)
-    return context_parallel_attention(
-        q, k, v, cp_group, plan, perm, packed=packed, scale=scale, mode=mode, kernel=_KERNELS[kernel_name]
-    )
+    plan = _block_plan(geometry, rank, causal, q.device)
+    return context_parallel_attention(q, k, v, cp_group, plan, scale=scale, mode=mode, kernel=_KERNELS[kernel_name])
 
 
 def _attend_whole_sequence(
@@ -264,7 +263,7 @@ def _attend_whole_sequence(
         out = _flash_attention(q, k, v, None, (natural,), 0, packed, causal, scale)
     else:
         out = context_parallel_attention(
-            q, k, v, None, plan, None, packed=packed, scale=scale, mode="allgather", kernel=_KERNELS[kernel_name]
+            q, k, v, None, plan, scale=scale, mode="allgather", kernel=_KERNELS[kernel_name]
         )
     return out if from_natural is None else out.index_select(0, from_natural)
 
@@ -289,13 +288,9 @@ def _check_local_token_count(
 
 
 @functools.lru_cache(maxsize=16)
-def _block_plan(
-    geometry: ZigzagGeometry, rank: int, causal: bool, device: torch.device
-) -> tuple[BlockPlan, Tensor | None]:
-    """The block plan and this rank's local-to-half-major permutation on ``device``, built once per batch."""
-    tokens = geometry.rank_tokens
-    perm = tokens[rank].perm
-    return build_block_plan(tokens, rank, causal, device), None if perm is None else perm.to(device)
+def _block_plan(geometry: ZigzagGeometry, rank: int, causal: bool, device: torch.device) -> BlockPlan:
+    """This rank's block plan on ``device``, built once per batch (shared by every layer and the backward)."""
+    return build_block_plan(geometry.rank_tokens, rank, causal, device)
 
 
 def context_parallel_attention(
@@ -304,14 +299,13 @@ def context_parallel_attention(
     v: Tensor,
     cp_group: ProcessGroup | None,
     plan: BlockPlan,
-    perm: Tensor | None,
     *,
-    packed: bool,
     scale: float,
     mode: str,
     kernel: BlockKernel,
 ) -> Tensor:
-    """Run CP attention for any sharding, given its block plan and local-to-half-major ``perm``; no validation."""
+    """Run CP attention on local shards in any sharding (tensors in the caller's layout and token order), given the
+    shards' block plan; no validation."""
     if cp_group is None and plan.cp > 1:
         raise ValueError(f"a block plan over {plan.cp} ranks needs their process group (or emulated_rank_attention)")
     exchange = _LocalKV() if plan.cp == 1 else _RingKV(cp_group) if mode == "ring" else _GatheredKV(cp_group)
@@ -328,7 +322,7 @@ def _to_internal(x: Tensor, packed: bool, perm: Tensor | None) -> Tensor:
 
 
 def _from_internal(out: Tensor, packed: bool, perm: Tensor | None) -> Tensor:
-    """Undo ``_to_internal`` on the attention output."""
+    """Undo ``_to_internal`` on an output or a gradient."""
     if not packed:
         return out.permute(2, 0, 1, 3).contiguous()
     out = out.squeeze(0).permute(1, 0, 2)
@@ -425,8 +419,7 @@ class _GatheredKV:
         """Start the broadcast of source ``src``'s K/V rows ``rows``, stacked ``[2, rows, ...]``."""
         if src == self.rank:
             return comm.broadcast_from(torch.stack([k[rows], v[rows]]), src, self.group)
-        count = rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
-        return comm.broadcast_from(k.new_empty((2, count, *k.shape[1:])), src, self.group)
+        return comm.broadcast_from(k.new_empty((2, index_count(rows), *k.shape[1:])), src, self.group)
 
     def sources(self, k: Tensor, v: Tensor, visit: _SourceVisit) -> None:
         whole = slice(0, k.shape[0])
@@ -504,7 +497,7 @@ class _RingKV:
 class _EmulatedKV:
     """One rank of a CP group run alone in this process: every rank's K/V are given at once, in their local layout
     (``kv_all`` ``[cp, 2, ...]``); the dK/dV this rank computes for another rank's keys, which a group would send to
-    their owner, are added into ``sent`` (the same shape, accumulation dtype)."""
+    their owner, are added into ``sent`` (the same shape), rounded to its dtype as the group's sum rounds them."""
 
     def __init__(self, rank: int, kv_all: Tensor, sent: Tensor) -> None:
         self.rank, self.kv_all, self.sent = rank, kv_all, sent
@@ -524,8 +517,8 @@ class _EmulatedKV:
                 k_piece, v_piece = keys[rows], values[rows]
                 partial = k_piece.new_zeros((2, *k_piece.shape), dtype=grads[0].dtype)
                 visit(src, index, k_piece, v_piece, partial[0], partial[1])
-                owner[0][rows] += partial[0]
-                owner[1][rows] += partial[1]
+                owner[0][rows] += partial[0].to(owner[0].dtype)
+                owner[1][rows] += partial[1].to(owner[1].dtype)
 
 
 def emulated_rank_attention(
@@ -535,8 +528,8 @@ def emulated_rank_attention(
     process without a group: for tests, benchmarks and the GPU check.
 
     ``kv_all`` ``[cp, 2, *k.shape]`` holds every rank's K and V; autograd returns this rank's dQ and its own share of
-    dK/dV, and the shares of the other ranks' dK/dV are added into ``sent`` (zeros like ``kv_all`` in the
-    accumulation dtype), so summing both over the emulated ranks gives the group's gradients.
+    dK/dV, and the shares of the other ranks' dK/dV are added into ``sent`` (zeros like ``kv_all``: the group's
+    reduce sums them in the K/V dtype too), so summing both over the emulated ranks gives the group's gradients.
     """
     return _ShardAttention.apply(q, k, v, plan, kernel, scale, _EmulatedKV(plan.rank, kv_all, sent))
 

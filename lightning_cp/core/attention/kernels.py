@@ -224,7 +224,7 @@ class Block:
 class BlockPlan:
     """The blocks one rank computes against each source rank's keys, empty ones left out, in two forms.
 
-    ``blocks[src]``: whole document blocks, half-major order, which the tiles are cut from (the work they account for).
+    ``blocks[src]``: whole document blocks, half-major order, which the tiles are cut from (on the CPU: accounting).
     ``tiles[src]``: the same pairs in local order, rows cut into tiles (causal blocks' columns too): the forward.
     ``pieces``: the key pieces every source's local rows are cut into (the same rows on every rank); ``piece_tiles[src]
     [j]``: the tiles meeting piece ``j`` of source ``src``, columns numbered within the piece: the backward.
@@ -263,7 +263,7 @@ def build_block_plan(
                     source_blocks.append(_shifted(block, q_half * half, k_half * half))
         col_pieces = _key_pieces(source, tile, mirrored=len(tokens) > 1)
         forward, backward = _tiled(source_blocks, tokens[rank].perm, source.perm, tile, row_pieces, col_pieces)
-        blocks.append(tuple(_on_device(block, device) for block in source_blocks))
+        blocks.append(tuple(source_blocks))
         tiles.append(tuple(_on_device(block, device) for block in forward))
         piece_tiles.append(tuple(tuple(_on_device(block, device) for block in piece) for piece in backward))
     pieces = tuple(rows if isinstance(rows, slice) else rows.to(device) for rows in row_pieces.rows)
@@ -472,6 +472,11 @@ def _causal_tiles(rows: Tensor, cols: Tensor) -> list[Block]:
     half = rows.numel() // 2
     below = Block(_as_index(rows[half:]), _as_index(cols[:half]))
     return [*_causal_tiles(rows[:half], cols[:half]), below, *_causal_tiles(rows[half:], cols[half:])]
+
+
+def index_count(index: slice | Tensor) -> int:
+    """How many rows a slice or an index tensor addresses."""
+    return index.stop - index.start if isinstance(index, slice) else index.numel()
 
 
 def _as_index(local: Tensor) -> slice | Tensor:
