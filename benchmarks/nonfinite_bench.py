@@ -2,8 +2,9 @@
 
 - ``zigzag_attention``'s rejection check (``non_finite_inputs``: one pass over q, k, v and one host read) against the
   whole checked call (cp=1, forward);
-- the device-side guard of the ``cpu_flash`` block kernel (three ``all_finite`` and two ``masked_fill``)
-  against the kernel call it guards, for a whole-document causal block and a masked block of the same size.
+- the device-side guard that ``forward_source`` adds for the ``cpu_flash`` kernel once per source rank (three
+  ``all_finite`` and two ``masked_fill``) against that source's forward it guards: one whole-document causal block, a
+  masked block of the same size, and the tiles of a packed batch.
 
 Run from the repository root: ``python benchmarks/nonfinite_bench.py``. One CPU thread; the table is printed and
 saved to ``benchmarks/results/nonfinite_bench.md``.
@@ -22,6 +23,7 @@ import torch
 
 from lightning_cp.core.attention import api, kernels
 from lightning_cp.core.packed import PackedSeqParams
+from lightning_cp.core.zigzag import ZigzagGeometry
 
 RESULTS = Path(__file__).resolve().parent / "results" / "nonfinite_bench.md"
 
@@ -38,9 +40,14 @@ def median_ms(fn: Callable[[], object], repeats: int = 15) -> float:
 
 
 def guard(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> object:
-    """The ops ``cpu_flash_forward`` adds to a block: the same code, run alone."""
+    """The ops ``forward_source`` adds to one source's blocks for a kernel that needs finite inputs, run alone."""
     finite = kernels.all_finite(q) & kernels.all_finite(k) & kernels.all_finite(v)
     return out.masked_fill_(~finite, math.nan), lse.masked_fill_(~finite, math.nan)
+
+
+def source_forward(q, k, v, blocks, out: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
+    """One source's forward with the guard, as the attention runs it."""
+    kernels.forward_source(out, lse, q, k, v, blocks, kernels.CPU_FLASH, scale)
 
 
 def main() -> None:
@@ -61,12 +68,24 @@ def main() -> None:
     kb, vb = (torch.randn(1, kv_heads, block, dim) for _ in range(2))
     mask = torch.rand(block, block) < 0.5
     scale = dim**-0.5
-    for name, block_mask, causal in (("causal block", None, True), ("masked block", mask, False)):
-        out, lse = kernels.cpu_flash_forward(qb, kb, vb, block_mask, causal, scale)
-        kernel = median_ms(lambda m=block_mask, c=causal: kernels.cpu_flash_forward(qb, kb, vb, m, c, scale))
-        added = median_ms(lambda o=out, s=lse: guard(qb, kb, vb, o, s))
-        rows.append(f"| cpu_flash {name} {block} x {block}, {heads}/{kv_heads} heads x {dim}: device guard | "
-                    f"{kernel:.2f} | {added:.3f} | {added / kernel:.4f} |")  # fmt: skip
+    whole = slice(0, block)
+    tiles = ZigzagGeometry.packed(1, cu.diff().tolist()).rank_tokens
+    packed = (
+        (f"causal block {block} x {block}", (qb, kb, vb), [kernels.Block(whole, whole, causal=True)]),
+        (f"masked block {block} x {block}", (qb, kb, vb), [kernels.Block(whole, whole, mask)]),
+        (
+            f"packed {tokens} tokens, {len(cu) - 1} documents",
+            tuple(x.permute(1, 0, 2).unsqueeze(0) for x in (q, k, v)),
+            kernels.build_block_plan(tiles, 0, True, torch.device("cpu")).tiles[0],
+        ),
+    )
+    for name, (qs, ks, vs), blocks in packed:
+        out = torch.zeros_like(qs)
+        lse = torch.full(qs.shape[:3], -math.inf)
+        kernel = median_ms(lambda a=(qs, ks, vs), b=blocks, o=out, s=lse: source_forward(*a, b, o, s, scale))
+        added = median_ms(lambda a=(qs, ks, vs), o=out, s=lse: guard(*a, o, s))
+        rows.append(f"| cpu_flash forward_source, {name} ({len(blocks)} tiles), {heads}/{kv_heads} heads x {dim}: "
+                    f"device guard | {kernel:.2f} | {added:.3f} | {added / kernel:.4f} |")  # fmt: skip
     table = "\n".join(rows)
     header = f"torch {torch.__version__}, {platform.processor() or platform.machine()}, 1 thread, median of 15\n\n"
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

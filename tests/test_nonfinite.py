@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_cp.core.attention import kernels
 from lightning_cp.core.attention.api import NON_FINITE_FIELD, zigzag_attention
 from tests.attention_helpers import Case, case_lengths, packed_params, reference_case, shard_slots, zigzag_index
 from tests.distributed_harness import run_on_ranks
@@ -146,3 +147,24 @@ def test_unchecked_non_finite_inputs_never_give_wrong_finite_values(cp: int) -> 
     per_rank = run_on_ranks(_unchecked_failures, cp, cp, timeout=240) if cp > 1 else [_unchecked_failures(cp)]
     failures = [failure for rank_failures in per_rank for failure in rank_failures]
     assert not failures, "\n".join(failures[:20])
+
+
+VIEWS = {
+    "contiguous": lambda x: x,
+    "heads first": lambda x: x.permute(1, 0, 2).unsqueeze(0),
+    "rows of heads first": lambda x: x.permute(1, 0, 2).unsqueeze(0)[:, :, 2:5],
+    "heads of heads first": lambda x: x.permute(1, 0, 2).unsqueeze(0)[:, 1:],
+    "every other row": lambda x: x[::2],
+}
+
+
+@pytest.mark.parametrize("view", VIEWS)
+def test_all_finite_sees_exactly_the_elements_of_a_view(view: str) -> None:
+    """``all_finite`` reduces permuted contiguous views in memory order; a bad value just outside a view (but inside
+    the storage it spans) must not count, one inside must."""
+    base = torch.randn(7, 3, 4)
+    for position in range(base.numel()):
+        x = base.clone()
+        x.view(-1)[position] = math.inf
+        seen = VIEWS[view](x)
+        assert kernels.all_finite(seen).item() == torch.isfinite(seen).all().item(), position

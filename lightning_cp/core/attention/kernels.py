@@ -47,12 +47,16 @@ class BlockKernel:
 
     ``shares_kv_heads``: the functions attend ``Hq`` query heads to ``Hkv < Hq`` K/V heads without copies; if not,
     ``forward_source``/``backward_source`` repeat a source's K/V heads once for all its blocks, not once per block.
+    ``needs_finite_inputs``: the forward may return wrong finite values for NaN or infinite inputs, so
+    ``forward_source`` turns every output row NaN when a source's q, k or v holds one (checked on the device, once per
+    source rather than per block).
     """
 
     name: str
     forward: Callable[[Tensor, Tensor, Tensor, Tensor | None, bool, float], tuple[Tensor, Tensor]]
     backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
     shares_kv_heads: bool = True
+    needs_finite_inputs: bool = False
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -70,8 +74,15 @@ def all_finite(x: Tensor) -> Tensor:
     about 10x cheaper than ``isfinite(x).all()`` on CPU)."""
     if x.numel() == 0:
         return torch.ones((), dtype=torch.bool, device=x.device)
-    low, high = torch.aminmax(x)
+    low, high = torch.aminmax(_in_memory_order(x))
     return torch.isfinite(low) & torch.isfinite(high)
+
+
+def _in_memory_order(x: Tensor) -> Tensor:
+    """``x`` flattened in memory order when it is a permuted contiguous tensor (the kernels' heads-first views), else
+    ``x``: for reductions that do not depend on the order, which run several times faster over adjacent elements."""
+    permuted = x.permute(sorted(range(x.dim()), key=x.stride, reverse=True))
+    return permuted.view(-1) if permuted.is_contiguous() else x
 
 
 def _grouped(x: Tensor, kv_heads: int) -> Tensor:
@@ -146,11 +157,10 @@ def cpu_flash_forward(
 ) -> tuple[Tensor, Tensor]:
     """ATen's tiled CPU flash kernel, which returns the log-sum-exp; rows without keys are fixed to ``-inf``/zero.
 
-    With an infinite score that kernel returns wrong finite values, so a block with any NaN or infinite input gives
-    NaN in every row instead (checked on the device: no host read).
+    With an infinite score that kernel returns wrong finite values: ``CPU_FLASH`` needs finite inputs, which
+    ``forward_source`` guards.
     """
     groups = q.shape[1] // k.shape[1]
-    finite = all_finite(q) & all_finite(k) & all_finite(v)
     k, v, additive = _repeat_kv(k, groups), _repeat_kv(v, groups), _additive_mask(mask, q.dtype)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, attn_mask=additive, scale=scale
@@ -159,7 +169,7 @@ def cpu_flash_forward(
         empty = ~mask.any(-1)
         lse = lse.masked_fill(empty, _NEG_INF)
         out = out.masked_fill(empty.unsqueeze(-1), 0.0)
-    return out.masked_fill_(~finite, math.nan), lse.masked_fill_(~finite, math.nan)  # the kernel's own tensors
+    return out, lse
 
 
 def cpu_flash_backward(
@@ -193,7 +203,9 @@ def cpu_flash_backward(
 
 
 MATH = BlockKernel("math", math_forward, math_backward)
-CPU_FLASH = BlockKernel("cpu_flash", cpu_flash_forward, cpu_flash_backward, shares_kv_heads=False)
+CPU_FLASH = BlockKernel(
+    "cpu_flash", cpu_flash_forward, cpu_flash_backward, shares_kv_heads=False, needs_finite_inputs=True
+)
 
 
 @functools.cache
@@ -534,10 +546,16 @@ def forward_source(
 ) -> None:
     """Attend the ``[B, H, S, D]`` queries to one source's K/V block by block, merging into ``out``/``lse`` in
     place (``out`` in the accumulation dtype)."""
-    if blocks and not kernel.shares_kv_heads:
+    if not blocks:
+        return
+    finite = all_finite(q) & all_finite(k) & all_finite(v) if kernel.needs_finite_inputs else None
+    if not kernel.shares_kv_heads:
         k, v = _repeat_kv(k, q.shape[1] // k.shape[1]), _repeat_kv(v, q.shape[1] // v.shape[1])
     for block in blocks:
         _forward_block(out, lse, q, k, v, block, kernel, scale)
+    if finite is not None:
+        out.masked_fill_(~finite, math.nan)
+        lse.masked_fill_(~finite, math.nan)
 
 
 def _forward_block(
