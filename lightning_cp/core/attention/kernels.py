@@ -14,7 +14,8 @@ boolean ``mask`` ``[Sq, Sk]`` (``True``: the query sees the key; ``None``: it se
 block where query ``i`` sees keys ``<= i``; then ``mask`` is ``None``). ``forward`` returns the
 block output and its log-sum-exp ``[B, Hq, Sq]``, ``-inf`` (and a zero output) for rows that see no key.
 ``backward`` takes the *merged* output and log-sum-exp of all blocks and returns this block's share of the gradients.
-NaN or infinite inputs give NaN rows, never wrong finite values (``zigzag_attention`` rejects them before this).
+Through ``forward_source``, NaN or infinite inputs give NaN rows, never wrong finite values (``zigzag_attention``
+rejects them before this).
 """
 
 from __future__ import annotations
