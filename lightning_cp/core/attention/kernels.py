@@ -33,7 +33,7 @@ from lightning_cp.core.zigzag import RankTokens
 _NEG_INF = -math.inf
 _MIN_GROUP_ROWS = 64
 _TILES_PER_RANK = 16
-_MIN_TILE_ROWS = 256
+_MIN_TILE_ROWS = 512
 # Forward tiles span this many rows of backward tiles: the forward holds no gradients, and ATen's CPU flash kernel
 # uses its larger query blocks from 768 rows on.
 _FORWARD_TILES = 4
@@ -252,8 +252,9 @@ class BlockPlan:
 
 
 def tile_rows(local_rows: int) -> int:
-    """Rows per tile for a rank holding ``local_rows`` rows: 1/16 of them, at least 256, so the backward's piece
-    buffers and per-call kernel outputs stay a fraction of the rank's own tensors."""
+    """Rows per tile for a rank holding ``local_rows`` rows: 1/16 of them, so the backward's piece buffers and
+    per-call kernel outputs stay a fraction of the rank's own tensors, but at least 512: below 8192 rows per rank
+    fewer, larger calls are faster (fewer collectives, bigger kernel blocks) and the attention's memory is small."""
     return max(_MIN_TILE_ROWS, -(-local_rows // _TILES_PER_RANK))
 
 
