@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lightning_cp.train import runfolder
-from lightning_cp.train.cli import main
+from lightning_cp.train.cli import main, report
 from lightning_cp.train.runner import EndRanksOnFailure, StopOnNonFiniteLoss, end_ranks_left_behind
 from tests.cli_helpers import SCRIPT, cli_env, run_cli
 
@@ -343,6 +343,20 @@ def test_a_stopped_rank_ends_the_others_within_the_timeout(tmp_path: Path, stopp
     finally:
         _end_session(process)
     text = stderr.read_text()
-    timed_out = [line for line in _error_lines(stderr) if f"Timed out waiting {timeout_s * 1000}ms" in line]
+    gloo_timeouts = (f"Timed out waiting {timeout_s * 1000}ms", "Application timeout caused pair closure")
+    timed_out = [line for line in _error_lines(stderr) if any(form in line for form in gloo_timeouts)]
     assert timed_out and "within strategy.timeout_s" in timed_out[0], text[-2000:]
     assert "Traceback" not in text
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 10000ms for recv to complete",
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Application timeout caused pair closure",
+    ],
+)
+def test_either_form_of_a_gloo_timeout_is_one_line_with_the_timeout_hint(message: str, capsys) -> None:
+    assert report(RuntimeError(message)) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "within strategy.timeout_s" in lines[0] and "gloo/transport" not in lines[0], lines

@@ -16,8 +16,10 @@ COMMANDS = {
 }
 TRACEBACK_ENV = "LIGHTNING_CP_TRACEBACK"
 SOURCE_LOCATION = re.compile(r"^\[[^\]\s]+:\d+\]\s*")  # "[.../unbound_buffer.cc:78] " before torch's C++ messages
+TIMEOUT_HINT = "another rank did not answer within strategy.timeout_s: it stopped, hung or is far behind"
 HINTS = {  # a fragment of torch.distributed's message -> what to do about it
-    "Timed out": "another rank did not answer within strategy.timeout_s: it stopped, hung or is far behind",
+    "Timed out": TIMEOUT_HINT,
+    "Application timeout caused pair closure": TIMEOUT_HINT,  # gloo's socket-level form of the same timeout
     "EADDRINUSE": "MASTER_PORT is taken: set MASTER_PORT to a free port, or unset it to let lightning-cp pick one",
 }
 DESCRIPTION = "Train, fine-tune and validate a model with context parallelism (strategy cp_zigzag)."
