@@ -423,7 +423,9 @@ def rank_attention(
     others = gathered if gathered is not None else gathered_kv(kv_all, geometry, packed)
 
     def send_back(grad: torch.Tensor) -> None:
-        for src in (src for src in range(geometry.cp_size) if src != rank):
+        for src in range(geometry.cp_size):
+            if src == rank:  # this rank's own share reaches k and v through autograd
+                continue
             for part in (0, 1):
                 sent[src, part] += attention._from_internal(grad[src, part], packed, perms[src]).to(sent.dtype)
 

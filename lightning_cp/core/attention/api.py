@@ -502,16 +502,19 @@ class _EmulatedKV:
     def __init__(self, rank: int, kv_all: Tensor, sent: Tensor) -> None:
         self.rank, self.kv_all, self.sent = rank, kv_all, sent
 
+    def _source(self, src: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Source ``src``'s K and V: this rank's own (the autograd inputs) or the given ones."""
+        return (k, v) if src == self.rank else (self.kv_all[src, 0], self.kv_all[src, 1])
+
     def sources(self, k: Tensor, v: Tensor, visit: _SourceVisit) -> None:
         for src in range(self.kv_all.shape[0]):
-            keys, values = (k, v) if src == self.rank else self.kv_all[src]
-            visit(src, keys, values)
+            visit(src, *self._source(src, k, v))
 
     def pieces(
         self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice | Tensor], visit: _PieceVisit
     ) -> None:
         for src in range(self.kv_all.shape[0]):
-            keys, values = (k, v) if src == self.rank else self.kv_all[src]
+            keys, values = self._source(src, k, v)
             owner = grads if src == self.rank else self.sent[src]
             for index, rows in enumerate(pieces):
                 k_piece, v_piece = keys[rows], values[rows]
