@@ -373,7 +373,7 @@ def efficiency_table(
     ]
     for total in sorted({*totals, *memory_totals}):
         timed = total in totals
-        for workload in workloads(total)[:2]:
+        for workload in workloads(total):
             (memory,) = launch(_sdpa_reference, 1, workload, True)
             sdpa_peak = memory["peak"]
             if timed:

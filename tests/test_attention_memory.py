@@ -67,6 +67,18 @@ def test_key_pieces_hold_early_and_late_keys_alike():
             assert max(work) - min(work) <= 8, f"source {src} piece {piece}: pairs per rank {work}"
 
 
+def test_a_documents_blocks_from_both_halves_join_into_one_forward_tile():
+    """One document of 40 tokens at cp 2: chunks of 10, rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2, each
+    pair adjacent in local order. Every forward tile joins what the half-by-half blocks split: the own chunks as one
+    causal square, and the fully visible quadrants beside each other as one rectangle."""
+    tokens = zigzag.ZigzagGeometry.packed(2, [40]).rank_tokens
+    plans = [kernels.build_block_plan(tokens, rank, True, torch.device("cpu")) for rank in range(2)]
+    forward = [[[(tile.rows, tile.cols, tile.causal) for tile in source] for source in plan.tiles] for plan in plans]
+    assert forward[0] == [[(slice(0, 20), slice(0, 20), True)], [(slice(10, 20), slice(0, 20), False)]]
+    assert forward[1] == [[(slice(0, 20), slice(0, 10), False)], [(slice(0, 20), slice(0, 20), True)]]
+    assert [len(source) for source in plans[0].blocks] == [3, 2], "the plan's blocks stay per half"
+
+
 def test_causal_tiles_cover_the_triangle_once_in_small_diagonal_squares():
     """A causal square of local rows 100..399 against columns 0..299: every visible pair in exactly one tile, causal
     tiles only along the diagonal and at most ``_CAUSAL_LEAF_ROWS`` rows."""

@@ -1,11 +1,12 @@
 """Local attention for CP: the block plan (which query rows meet which key rows) and the kernels that run it.
 
 A rank's tokens are described by document id and position (``RankTokens``, half-major order); ``build_block_plan``
-cuts the local-queries x source-keys product into blocks of whole documents and leaves out empty ones, then cuts
-those into tiles addressed in the ranks' *local* token order, so the attention runs on the caller's tensors without
-reordering copies. A backward tile spans at most ``tile_rows`` rows and columns (1/16 of a rank's rows by default), a
-forward tile four times the rows, which bounds every buffer the kernels allocate per call; the backward also takes
-keys one tile-sized piece at a time.
+cuts the local-queries x source-keys product into blocks of whole documents and leaves out empty ones, joins a
+document's blocks from the two halves where that makes fewer, larger kernel calls, then cuts those into tiles
+addressed in the ranks' *local* token order, so the attention runs on the caller's tensors without reordering
+copies. A backward tile spans at most ``tile_rows`` rows and columns (1/16 of a rank's rows by default), a forward
+tile four times the rows, which bounds every buffer the kernels allocate per call; the backward also takes keys one
+tile-sized piece at a time.
 ``forward_source``/``backward_source`` run one source rank's blocks or tiles with a ``BlockKernel``, merging the
 forward by log-sum-exp and accumulating gradients in place.
 
@@ -237,8 +238,9 @@ class Block:
 class BlockPlan:
     """The blocks one rank computes against each source rank's keys, empty ones left out, in two forms.
 
-    ``blocks[src]``: whole document blocks, half-major order, which the tiles are cut from (on the CPU: accounting).
-    ``tiles[src]``: the same pairs in local order, rows cut into tiles (causal blocks' columns too): the forward.
+    ``blocks[src]``: whole document blocks per (query half, key half), half-major order (on the CPU: accounting).
+    ``tiles[src]``: the same pairs in local order, a document's blocks joined across the halves, rows cut into tiles
+    (causal blocks' columns too): the forward.
     ``pieces``: the key pieces every source's local rows are cut into (the same rows on every rank); ``piece_tiles[src]
     [j]``: the tiles meeting piece ``j`` of source ``src``, columns numbered within the piece: the backward.
     """
@@ -271,12 +273,19 @@ def build_block_plan(
     blocks, tiles, piece_tiles = [], [], []
     for source in tokens:
         source_blocks: list[Block] = []
+        quadrants: dict[object, dict[tuple[int, int], Block]] = {}  # per document (or group block): its quadrants
         for q_half, query in enumerate(halves(tokens[rank])):
             for k_half, key in enumerate(halves(source)):
-                for block in _document_blocks(query, key, causal, documents):
-                    source_blocks.append(_shifted(block, q_half * half, k_half * half))
+                for number, (doc, block) in enumerate(_document_blocks(query, key, causal, documents)):
+                    shifted = _shifted(block, q_half * half, k_half * half)
+                    source_blocks.append(shifted)
+                    owner = (q_half, k_half, number) if doc is None else doc
+                    quadrants.setdefault(owner, {})[q_half, k_half] = shifted
         col_pieces = _key_pieces(source, tile, mirrored=len(tokens) > 1)
-        forward, backward = _tiled(source_blocks, tokens[rank].perm, source.perm, tile, row_pieces, col_pieces)
+        forward = _tiled_forward(_joined(quadrants, True), tokens[rank].perm, source.perm, tile)
+        backward = _tiled_backward(
+            _joined(quadrants, False), tokens[rank].perm, source.perm, tile, row_pieces, col_pieces
+        )
         blocks.append(tuple(source_blocks))
         tiles.append(tuple(_on_device(block, device) for block in forward))
         piece_tiles.append(tuple(tuple(_on_device(block, device) for block in piece) for piece in backward))
@@ -335,8 +344,9 @@ def _spans(doc: Tensor, documents: int) -> _Spans:
 
 def _document_blocks(
     query: tuple[Tensor, Tensor], key: tuple[Tensor, Tensor], causal: bool, documents: int
-) -> list[Block]:
-    """Cut one half-by-half block into bounding boxes of document groups, dropping those without a visible pair."""
+) -> list[tuple[int | None, Block]]:
+    """Cut one half-by-half block into bounding boxes of document groups, dropping those without a visible pair;
+    each with its document when it spans exactly one document's rows and columns (else None)."""
     q_spans, k_spans = _spans(query[0], documents), _spans(key[0], documents)
     blocks = []
     for group in _document_groups(q_spans, k_spans):
@@ -348,7 +358,7 @@ def _document_blocks(
         else:
             block = _masked_block(rows, cols, query, key, causal, group)
         if block is not None:
-            blocks.append(block)
+            blocks.append((group[0] if len(group) == 1 and whole else None, block))
     return blocks
 
 
@@ -399,6 +409,58 @@ def _masked_block(
     return Block(rows, cols, None if bool(mask.all()) else mask)
 
 
+def _joined(quadrants: dict[object, dict[tuple[int, int], Block]], causal_too: bool) -> list[Block]:
+    """One source's blocks with each document's (query half, key half) quadrants joined into fewer, larger blocks:
+    two fully visible quadrants side by side (the same columns, or the same rows) into one, and, if ``causal_too``, a
+    document's causal diagonal (two causal quadrants and the full one between them) into one causal block. In local
+    order a document's two halves are adjacent, so a joined block is one larger kernel call. Not for the backward's
+    causal blocks, whose rows are cut by key piece: there a joined diagonal would need masked tiles."""
+    joined: list[Block] = []
+    for parts in quadrants.values():
+        parts = dict(parts)
+        front, between, back = parts.get((0, 0)), parts.get((1, 0)), parts.get((1, 1))
+        if causal_too and (0, 1) not in parts and _is_causal(front) and _is_full(between) and _is_causal(back):
+            joined.append(Block(_union(front.rows, back.rows), _union(front.cols, back.cols), causal=True))
+            continue
+        for k_half in (0, 1):
+            top, bottom = parts.get((0, k_half)), parts.get((1, k_half))
+            if _is_full(top) and _is_full(bottom):
+                parts[0, k_half] = Block(_union(top.rows, bottom.rows), top.cols)
+                del parts[1, k_half]
+        for q_half in (0, 1):
+            left, right = parts.get((q_half, 0)), parts.get((q_half, 1))
+            if _is_full(left) and _is_full(right) and _same_rows(left.rows, right.rows):
+                parts[q_half, 0] = Block(left.rows, _union(left.cols, right.cols))
+                del parts[q_half, 1]
+        joined += parts.values()
+    return joined
+
+
+def _is_full(block: Block | None) -> bool:
+    """Whether ``block`` exists and every pair in it attends."""
+    return block is not None and block.mask is None and not block.causal
+
+
+def _is_causal(block: Block | None) -> bool:
+    """Whether ``block`` exists and is a causal square."""
+    return block is not None and block.causal
+
+
+def _union(first: slice | Tensor, second: slice | Tensor) -> Tensor:
+    """Half-major positions of two row sets, the first's before the second's."""
+    return torch.cat([_positions(first), _positions(second)])
+
+
+def _positions(rows: slice | Tensor) -> Tensor:
+    """Rows as an index tensor."""
+    return torch.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows
+
+
+def _same_rows(first: slice | Tensor, second: slice | Tensor) -> bool:
+    """Whether two row sets are the same rows in the same order."""
+    return torch.equal(_positions(first), _positions(second))
+
+
 def _shifted(block: Block, row_offset: int, col_offset: int) -> Block:
     """Shift a half-relative block to half-major rows and columns."""
     rows = slice(block.rows.start + row_offset, block.rows.stop + row_offset)
@@ -412,36 +474,42 @@ def _on_device(block: Block, device: torch.device) -> Block:
     return Block(rows, cols, None if block.mask is None else block.mask.to(device), block.causal)
 
 
-def _tiled(
+def _tiled_forward(blocks: Sequence[Block], row_perm: Tensor | None, col_perm: Tensor | None, tile: int) -> list[Block]:
+    """Cut one source's blocks into the forward's local-order tiles: rows cut at multiples of ``_FORWARD_TILES *
+    tile``, columns whole except where a causal block's diagonal needs them cut."""
+    forward: list[Block] = []
+    for block in blocks:
+        rows, cols = _local_rows(block.rows, row_perm), _local_rows(block.cols, col_perm)
+        for _, i in _groups(torch.div(rows, _FORWARD_TILES * tile, rounding_mode="floor")):
+            for j in _forward_columns(block, i, cols.numel()):
+                forward += _sub_block(block, rows, cols, i, j)
+    return forward
+
+
+def _tiled_backward(
     blocks: Sequence[Block],
     row_perm: Tensor | None,
     col_perm: Tensor | None,
     tile: int,
     row_pieces: _Pieces,
     col_pieces: _Pieces,
-) -> tuple[list[Block], list[list[Block]]]:
-    """Cut one source's half-major blocks into local-order tiles: the forward's (rows cut at multiples of
-    ``_FORWARD_TILES * tile``, columns whole except where a causal block's diagonal needs them cut) and, per key piece,
-    the backward's (columns cut by piece, relative to it; rows cut at multiples of ``tile``, or by piece where a
-    causal block needs the same cuts on both sides)."""
-    forward: list[Block] = []
+) -> list[list[Block]]:
+    """Cut one source's blocks, per key piece, into the backward's tiles: columns cut by piece, relative to it; rows
+    cut at multiples of ``tile``, or by piece where a causal block needs the same cuts on both sides."""
     backward: list[list[Block]] = [[] for _ in col_pieces.rows]
     for block in blocks:
         rows, cols = _local_rows(block.rows, row_perm), _local_rows(block.cols, col_perm)
-        for _, i in _groups(torch.div(rows, _FORWARD_TILES * tile, rounding_mode="floor")):
-            for j in _forward_columns(block, i, cols.numel()):
-                forward += _sub_block(block, rows, cols, i, j)
         row_ids = row_pieces.piece[rows] if block.causal else torch.div(rows, tile, rounding_mode="floor")
         col_groups, slots = _groups(col_pieces.piece[cols]), col_pieces.slot[cols]
         for _, i in _groups(row_ids):
             for piece, j in col_groups:
                 backward[piece] += _sub_block(block, rows, slots, i, j)
-    return forward, backward
+    return backward
 
 
-def _local_rows(rows: slice, perm: Tensor | None) -> Tensor:
-    """The local rows of a half-major slice, in half-major order (``half_major = local[perm]``)."""
-    positions = torch.arange(rows.start, rows.stop)
+def _local_rows(rows: slice | Tensor, perm: Tensor | None) -> Tensor:
+    """The local rows of half-major rows (a slice or positions), in their order (``half_major = local[perm]``)."""
+    positions = _positions(rows)
     return positions if perm is None else perm[positions]
 
 
