@@ -263,9 +263,9 @@ def tile_rows(local_rows: int) -> int:
 def build_block_plan(
     tokens: Sequence[RankTokens], rank: int, causal: bool, device: torch.device, tile: int | None = None
 ) -> BlockPlan:
-    """Find, per source rank and (query half, key half), the document-group sub-blocks with a visible pair, and cut
-    them into tiles in local order, the backward's within key pieces of at most ``tile`` rows (default
-    ``tile_rows``)."""
+    """Find, per source rank and (query half, key half), the document-group sub-blocks with a visible pair, join each
+    document's across the halves (``_joined``) and cut them into tiles in local order, the backward's within key
+    pieces of at most ``tile`` rows (default ``tile_rows``)."""
     half = tokens[rank].doc.shape[0] // 2
     tile = tile or tile_rows(2 * half)
     documents = max((int(t.doc.max()) for t in tokens if t.doc.numel()), default=-1) + 1
