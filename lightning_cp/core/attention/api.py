@@ -33,6 +33,7 @@ from lightning_cp.core.attention.kernels import (
     BlockKernel,
     BlockPlan,
     accumulation_dtype,
+    add_rows,
     all_finite,
     backward_source,
     build_block_plan,
@@ -40,6 +41,8 @@ from lightning_cp.core.attention.kernels import (
     forward_source,
     halves,
     index_count,
+    set_rows,
+    take_rows,
 )
 from lightning_cp.core.consensus import require_agreement, tensor_description
 from lightning_cp.core.packed import PackedSeqParams, host_copies, host_offsets
@@ -418,7 +421,7 @@ class _GatheredKV:
     def _fetch(self, src: int, k: Tensor, v: Tensor, rows: slice | Tensor) -> comm.Transfer:
         """Start the broadcast of source ``src``'s K/V rows ``rows``, stacked ``[2, rows, ...]``."""
         if src == self.rank:
-            return comm.broadcast_from(torch.stack([_rows(k, rows), _rows(v, rows)]), src, self.group)
+            return comm.broadcast_from(torch.stack([take_rows(k, rows, 0), take_rows(v, rows, 0)]), src, self.group)
         return comm.broadcast_from(k.new_empty((2, index_count(rows), *k.shape[1:])), src, self.group)
 
     def sources(self, k: Tensor, v: Tensor, visit: _SourceVisit) -> None:
@@ -458,8 +461,8 @@ class _GatheredKV:
         src, rows, transfer = summing
         total = transfer.wait()
         if src == self.rank:
-            _set_rows(grads[0], rows, total[0].to(grads[0].dtype))
-            _set_rows(grads[1], rows, total[1].to(grads[1].dtype))
+            set_rows(grads[0], rows, total[0], 0)
+            set_rows(grads[1], rows, total[1], 0)
 
 
 class _RingKV:
@@ -481,7 +484,7 @@ class _RingKV:
         self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice | Tensor], visit: _PieceVisit
     ) -> None:
         for index, rows in enumerate(pieces):
-            kv, incoming = torch.stack([_rows(k, rows), _rows(v, rows)]), None
+            kv, incoming = torch.stack([take_rows(k, rows, 0), take_rows(v, rows, 0)]), None
             for step in range(self.cp):
                 transfer = comm.ring_shift(kv, self.group, _RING_BACKWARD_KV_TAG) if step < self.cp - 1 else None
                 dkv = kv.new_zeros(kv.shape, dtype=grads[0].dtype)
@@ -492,8 +495,8 @@ class _RingKV:
                 if transfer is not None:
                     kv = transfer.wait()
             own = incoming.wait()
-            _set_rows(grads[0], rows, own[0])
-            _set_rows(grads[1], rows, own[1])
+            set_rows(grads[0], rows, own[0], 0)
+            set_rows(grads[1], rows, own[1], 0)
 
 
 class _EmulatedKV:
@@ -519,33 +522,11 @@ class _EmulatedKV:
             keys, values = self._source(src, k, v)
             owner = grads if src == self.rank else self.sent[src]
             for index, rows in enumerate(pieces):
-                k_piece, v_piece = _rows(keys, rows), _rows(values, rows)
+                k_piece, v_piece = take_rows(keys, rows, 0), take_rows(values, rows, 0)
                 partial = k_piece.new_zeros((2, *k_piece.shape), dtype=grads[0].dtype)
                 visit(src, index, k_piece, v_piece, partial[0], partial[1])
-                _add_rows(owner[0], rows, partial[0].to(owner[0].dtype))
-                _add_rows(owner[1], rows, partial[1].to(owner[1].dtype))
-
-
-def _rows(x: Tensor, rows: slice | Tensor) -> Tensor:
-    """Rows ``rows`` of ``x`` (dim 0): a view for a slice, else a gather (``index_select``: on CPU several times
-    faster than indexing with a tensor)."""
-    return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
-
-
-def _set_rows(x: Tensor, rows: slice | Tensor, value: Tensor) -> None:
-    """``x[rows] = value`` along dim 0 (``index_copy_`` for an index tensor)."""
-    if isinstance(rows, slice):
-        x[rows].copy_(value)
-    else:
-        x.index_copy_(0, rows, value)
-
-
-def _add_rows(x: Tensor, rows: slice | Tensor, value: Tensor) -> None:
-    """``x[rows] += value`` along dim 0 (``index_add_`` for an index tensor)."""
-    if isinstance(rows, slice):
-        x[rows].add_(value)
-    else:
-        x.index_add_(0, rows, value)
+                add_rows(owner[0], rows, partial[0], 0)
+                add_rows(owner[1], rows, partial[1], 0)
 
 
 def emulated_rank_attention(
