@@ -67,8 +67,8 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def finite_lse(lse: Tensor) -> Tensor:
-    """Replace ``-inf`` (rows without keys) by 0 so ``exp(score - lse)`` stays 0 instead of NaN."""
-    return lse.masked_fill(torch.isneginf(lse), 0.0)
+    """Replace ``-inf`` (rows without keys) by 0 so ``exp(score - lse)`` stays 0 instead of NaN (NaN stays NaN)."""
+    return lse.nan_to_num(nan=math.nan, posinf=math.inf, neginf=0.0)
 
 
 def all_finite(x: Tensor) -> Tensor:
@@ -607,11 +607,9 @@ def set_rows(x: Tensor, index: slice | Tensor, value: Tensor, dim: int) -> None:
 
 def _merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
     """Combine a block's partial softmax result into ``out``/``lse`` in place by log-sum-exp; rows empty in both stay
-    zero. ``block_out`` is scratch."""
+    zero. The block's share of the merged softmax is ``exp(block_lse - merged)``, and one ``lerp_`` weighs the two."""
     merged = torch.logaddexp(lse, block_lse)
-    safe = finite_lse(merged)
-    out.mul_(torch.exp(lse - safe).unsqueeze(-1))
-    out.add_(block_out.to(out.dtype).mul_(torch.exp(block_lse - safe).unsqueeze(-1)))
+    out.lerp_(block_out.to(out.dtype), torch.exp(block_lse - finite_lse(merged)).unsqueeze(-1))
     lse.copy_(merged)
 
 
