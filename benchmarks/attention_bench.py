@@ -324,7 +324,7 @@ def _emulated_trial(workload: Workload, cp: int, rounds: int = 3) -> dict[str, f
 def _trial(workload: Workload, cp: int, mode: str, checkout: Path | None, timed: bool = True) -> dict[str, float]:
     """Peak MiB of the highest rank (a run with memory tracking) and, if ``timed``, CPU seconds of the slowest rank,
     all threads and the calling one (a run without), of one trial, with this code or, in a child interpreter, the code
-    at ``checkout``."""
+    at ``checkout``; for ``mode`` "emulated" the compute-side efficiency of ``_emulated_trial`` instead."""
     if checkout is not None:
         spec = {"name": workload.name, "lengths": workload.lengths, "packed": workload.packed, "cp": cp, "mode": mode}
         env = {**os.environ, "PYTHONPATH": str(checkout)}
@@ -333,6 +333,8 @@ def _trial(workload: Workload, cp: int, mode: str, checkout: Path | None, timed:
         if result.returncode:
             raise RuntimeError(f"trial {spec} with {checkout} failed:\n{result.stderr[-3000:]}")
         return json.loads(result.stdout.splitlines()[-1])
+    if mode == "emulated":
+        return launch(_emulated_trial, 1, workload, cp, track_memory=False)[0]
     peak = max(rank["peak"] for rank in launch(_shard_trial, cp, workload, mode, True))
     if not timed:
         return {"peak": peak}
@@ -362,7 +364,7 @@ def efficiency_table(
         "the tokens / cp), target <= 1.2; efficiency = the slowest rank's CPU seconds x cp / SDPA's CPU seconds for "
         "the same work at one thread (packed: SDPA per document), target <= 1.1, counting all the rank's threads "
         "(compute and gloo's copying through loopback sockets) or the compute thread alone; CPU time, not wall time, "
-        "since the ranks share the cores; 'emulated in one process' (packed, this checkout only): every rank's work "
+        "since the ranks share the cores; 'emulated in one process' (packed): every rank's work "
         "run one after another in one process through the same tiles and kernels, the exchange replaced by local "
         "copies (the compute side alone), against SDPA measured in the same process, best of 3 interleaved rounds "
         f"each; '-': not timed){compared}",
@@ -382,12 +384,12 @@ def efficiency_table(
             reference = f"1.00 ({sdpa_seconds:.1f} s) | 1.00" if timed else "- | -"
             lines.append(f"| {workload.name} | SDPA | 1 process | {sdpa_peak:.0f} | 1.00 | {reference} |")
             for cp in cps:
+                checkouts = [baseline] if baseline else []
                 if timed and cp > 1 and workload.packed:
-                    (emulated,) = launch(_emulated_trial, 1, workload, cp, track_memory=False)
-                    compute = f"{emulated['efficiency']:.2f}"
+                    runs = [_trial(workload, cp, "emulated", checkout) for checkout in [*checkouts, None]]
+                    compute = " -> ".join(f"{run['efficiency']:.2f}" for run in runs)
                     lines.append(f"| {workload.name} | {cp} | emulated in one process | - | - | - | {compute} |")
                 for mode in ("allgather", "ring"):
-                    checkouts = [baseline] if baseline else []
                     runs = [_trial(workload, cp, mode, checkout, timed) for checkout in [*checkouts, None]]
                     cells = [
                         [f"{run['peak']:.0f}" for run in runs],
