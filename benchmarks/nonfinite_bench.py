@@ -2,9 +2,10 @@
 
 - ``zigzag_attention``'s rejection check (``non_finite_inputs``: one pass over q, k, v and one host read) against the
   whole checked call (cp=1, forward);
-- the device-side guard that ``forward_source`` adds for the ``cpu_flash`` kernel once per source rank (three
-  ``all_finite`` and two ``masked_fill``) against that source's forward it guards: one whole-document causal block, a
-  masked block of the same size, and the tiles of a packed batch.
+- the guard that ``forward_source`` adds for the ``cpu_flash`` kernel to a source rank's forward (three
+  ``all_finite``; on the host one read of the flag, the two ``masked_fill`` only running when a value is not finite;
+  the attention checks q once per call, not per source) against that source's forward it guards: one whole-document
+  causal block, a masked block of the same size, and the tiles of a packed batch.
 
 Run from the repository root: ``python benchmarks/nonfinite_bench.py``. One CPU thread; the table is printed and
 saved to ``benchmarks/results/nonfinite_bench.md``.
@@ -40,9 +41,13 @@ def median_ms(fn: Callable[[], object], repeats: int = 15) -> float:
 
 
 def guard(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> object:
-    """The ops ``forward_source`` adds to one source's blocks for a kernel that needs finite inputs, run alone."""
+    """The ops ``forward_source`` adds to one source's blocks for a kernel that needs finite inputs, run alone (on
+    the host, with finite inputs: the checks and one read of the flag)."""
     finite = kernels.all_finite(q) & kernels.all_finite(k) & kernels.all_finite(v)
-    return out.masked_fill_(~finite, math.nan), lse.masked_fill_(~finite, math.nan)
+    if not bool(finite):
+        out.masked_fill_(~finite, math.nan)
+        lse.masked_fill_(~finite, math.nan)
+    return finite
 
 
 def source_forward(q, k, v, blocks, out: torch.Tensor, lse: torch.Tensor, scale: float) -> None:

@@ -83,14 +83,33 @@ def test_backend_choice_is_logged_once(caplog):
     assert messages == ["zigzag_attention: backend cpu_flash, mode ring, device cpu"]
 
 
-@pytest.mark.parametrize(("cp", "group_rows"), [(2, 1), (3, 5)])
-def test_blocks_cut_into_document_groups_give_the_same_results(cp, group_rows, monkeypatch):
+def _spans(counts: list[int]) -> kernels._Spans:
+    """Spans of adjacent documents with these token counts in one half."""
+    stops = torch.tensor(counts).cumsum(0).tolist()
+    return kernels._Spans([stop - count for stop, count in zip(stops, counts, strict=True)], stops, counts)
+
+
+def test_small_documents_share_a_masked_call_only_where_it_is_cheaper():
+    # Four documents of 2 rows: one masked 8 x 8 call (900 + 1.3 * 64 pairs) beats four calls (4 * 504).
+    assert kernels._document_groups(_spans([2] * 4), _spans([2] * 4)) == [[0, 1, 2, 3]]
+    # Two of 32 rows: a masked 64 x 64 call (900 + 1.3 * 4096) costs more than two calls (2 * (500 + 1024)).
+    assert kernels._document_groups(_spans([32, 32]), _spans([32, 32])) == [[0], [1]]
+    # A document with rows on one side only ends the run; one with rows on neither side does not.
+    assert kernels._document_groups(_spans([2, 2, 2, 0, 2]), _spans([2, 0, 2, 0, 2])) == [[0], [2, 4]]
+
+
+@pytest.mark.parametrize(("cp", "call_pairs"), [(2, 0), (3, 10**9)])
+def test_blocks_cut_into_document_groups_give_the_same_results(cp, call_pairs, monkeypatch):
+    """The same results whether no document shares a call (a call costing nothing) or every run does (a call
+    costing more than any masked pair)."""
     lengths = case_lengths(Case(True, True, "ring", "math", (2, 2)), cp, seed=0)
     tokens = zigzag.ZigzagGeometry.packed(cp, lengths).rank_tokens
-    whole = kernels.build_block_plan(tokens, 0, False, torch.device("cpu"))
-    monkeypatch.setattr(kernels, "_MIN_GROUP_ROWS", group_rows)
-    split = kernels.build_block_plan(tokens, 0, False, torch.device("cpu"))
-    assert sum(map(len, split.blocks)) > sum(map(len, whole.blocks))
+    counts = {}
+    for pairs in (0, 10**9):
+        monkeypatch.setattr(kernels, "_CALL_PAIRS", pairs)
+        counts[pairs] = sum(map(len, kernels.build_block_plan(tokens, 0, False, torch.device("cpu")).blocks))
+    assert counts[0] > counts[10**9]
+    monkeypatch.setattr(kernels, "_CALL_PAIRS", call_pairs)
     outcomes = run_on_ranks(check_all_cases, cp, all_cases(), timeout=240)
     failures = [failure for rank_failures in outcomes for failure in rank_failures]
     assert not failures, "\n".join(failures)

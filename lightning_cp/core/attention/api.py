@@ -37,6 +37,7 @@ from lightning_cp.core.attention.kernels import (
     all_finite,
     backward_source,
     build_block_plan,
+    finite_lse,
     flash_attn_varlen_func,
     forward_source,
     halves,
@@ -354,9 +355,11 @@ class _ShardAttention(torch.autograd.Function):
         heads, queries = _heads_first(out), _heads_first(q)
         lse = q.new_full(heads.shape[:3], -math.inf, dtype=acc)
 
+        queries_finite = all_finite(q) if kernel.needs_finite_inputs else None
+
         def visit(src: int, k_src: Tensor, v_src: Tensor) -> None:
             keys, values = _heads_first(k_src), _heads_first(v_src)
-            forward_source(heads, lse, queries, keys, values, plan.tiles[src], kernel, scale)
+            forward_source(heads, lse, queries, keys, values, plan.tiles[src], kernel, scale, queries_finite)
 
         exchange.sources(k, v, visit)
         out = out.to(q.dtype)
@@ -369,7 +372,8 @@ class _ShardAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         plan, acc = ctx.plan, accumulation_dtype(q.dtype)
         dq, dk, dv = (x.new_zeros(x.shape, dtype=acc) for x in (q, k, v))
-        dq_heads, tensors = _heads_first(dq), (_heads_first(dout), _heads_first(q), _heads_first(out), lse)
+        dq_heads = _heads_first(dq)
+        tensors = (_heads_first(dout), _heads_first(q), _heads_first(out), finite_lse(lse))
 
         def visit(src: int, piece: int, k_piece: Tensor, v_piece: Tensor, dk_piece: Tensor, dv_piece: Tensor) -> None:
             grads = (dq_heads, _heads_first(dk_piece), _heads_first(dv_piece))

@@ -14,7 +14,8 @@ Every kernel takes ``q`` ``[B, Hq, Sq, D]``, ``k``/``v`` ``[B, Hkv, Sk, D]`` (``
 boolean ``mask`` ``[Sq, Sk]`` (``True``: the query sees the key; ``None``: it sees every key) and ``causal`` (a square
 block where query ``i`` sees keys ``<= i``; then ``mask`` is ``None``). ``forward`` returns the
 block output and its log-sum-exp ``[B, Hq, Sq]``, ``-inf`` (and a zero output) for rows that see no key.
-``backward`` takes the *merged* output and log-sum-exp of all blocks and returns this block's share of the gradients.
+``backward`` takes the *merged* output and log-sum-exp of all blocks (the latter through ``finite_lse``, 0 for rows
+that see no key) and returns this block's share of the gradients.
 Through ``forward_source``, NaN or infinite inputs give NaN rows, never wrong finite values (``zigzag_attention``
 rejects them before this).
 """
@@ -32,7 +33,12 @@ from torch import Tensor
 from lightning_cp.core.zigzag import RankTokens
 
 _NEG_INF = -math.inf
-_MIN_GROUP_ROWS = 64
+# What one CPU flash call costs, forward + backward, in score pairs of a full tile (fitted on 8 x 8 to 32 x 32 tiles,
+# 8 heads x 64 dims, one thread): a call about 500 pairs, a masked call about 900 and its pairs 1.3x. Small documents
+# share one masked call only where that is cheaper than a call each (``_document_groups``).
+_CALL_PAIRS = 500
+_MASKED_CALL_PAIRS = 900
+_MASKED_PAIR_COST = 1.3
 _TILES_PER_RANK = 16
 _MIN_TILE_ROWS = 512
 # Forward tiles span this many rows of backward tiles: the forward holds no gradients, and ATen's CPU flash kernel
@@ -131,7 +137,7 @@ def math_backward(
     kv_heads = k.shape[1]
     scores = _math_scores(q, k, mask, causal, scale)
     acc = scores.dtype
-    probs = torch.exp(scores - _grouped(finite_lse(lse).to(acc), kv_heads).unsqueeze(-1))
+    probs = torch.exp(scores - _grouped(lse.to(acc), kv_heads).unsqueeze(-1))
     dout_g = _grouped(dout.to(acc), kv_heads)
     delta = (dout_g * _grouped(out.to(acc), kv_heads)).sum(-1, keepdim=True)
     dprobs = dout_g @ v.to(acc).unsqueeze(2).transpose(-1, -2)
@@ -193,7 +199,7 @@ def cpu_flash_backward(
         _repeat_kv(k, groups),
         _repeat_kv(v, groups),
         out.to(q.dtype),
-        finite_lse(lse),
+        lse,
         0.0,
         causal,
         attn_mask=_additive_mask(mask, q.dtype),
@@ -363,21 +369,29 @@ def _document_blocks(
 
 
 def _document_groups(q_spans: _Spans, k_spans: _Spans) -> list[list[int]]:
-    """Documents on both sides, in order: large ones alone, runs of adjacent small ones up to ``_MIN_GROUP_ROWS`` rows.
+    """Documents on both sides, in order, alone or in runs of adjacent ones: a document joins the run before it when
+    one masked call over the joined bounding box costs less than the run's calls and one more of its own.
 
     A run never spans a document it leaves out, so its bounding box stays small.
     """
     groups: list[list[int]] = []
     current: list[int] = []
+    cost = 0.0
     for doc, (q_count, k_count) in enumerate(zip(q_spans.count, k_spans.count, strict=True)):
-        small = 0 < q_count < _MIN_GROUP_ROWS and 0 < k_count < _MIN_GROUP_ROWS
-        if small:
-            current.append(doc)
-        if current and (not small or sum(q_spans.count[d] for d in current) >= _MIN_GROUP_ROWS):
+        if not q_count and not k_count:  # no rows on either side: nothing between the run and the next document
+            continue
+        alone = _CALL_PAIRS + q_count * k_count
+        if current and q_count and k_count:
+            rows = q_spans.stop[doc] - q_spans.start[current[0]]
+            cols = k_spans.stop[doc] - k_spans.start[current[0]]
+            joined = _MASKED_CALL_PAIRS + _MASKED_PAIR_COST * rows * cols
+            if joined <= cost + alone:
+                current.append(doc)
+                cost = joined
+                continue
+        if current:
             groups.append(current)
-            current = []
-        if not small and q_count and k_count:
-            groups.append([doc])
+        current, cost = ([doc], alone) if q_count and k_count else ([], 0.0)
     return groups + [current] if current else groups
 
 
@@ -622,17 +636,21 @@ def forward_source(
     blocks: Sequence[Block],
     kernel: BlockKernel,
     scale: float,
+    queries_finite: Tensor | None = None,
 ) -> None:
     """Attend the ``[B, H, S, D]`` queries to one source's K/V block by block, merging into ``out``/``lse`` in
-    place (``out`` in the accumulation dtype)."""
+    place (``out`` in the accumulation dtype). ``queries_finite``: ``all_finite(q)`` when the caller has it (one
+    check for all sources)."""
     if not blocks:
         return
-    finite = all_finite(q) & all_finite(k) & all_finite(v) if kernel.needs_finite_inputs else None
+    finite = None
+    if kernel.needs_finite_inputs:
+        finite = (all_finite(q) if queries_finite is None else queries_finite) & all_finite(k) & all_finite(v)
     if not kernel.shares_kv_heads:
         k, v = _repeat_kv(k, q.shape[1] // k.shape[1]), _repeat_kv(v, q.shape[1] // v.shape[1])
     for block in blocks:
         _forward_block(out, lse, q, k, v, block, kernel, scale)
-    if finite is not None:
+    if finite is not None and (finite.device.type != "cpu" or not bool(finite)):  # on the host, read: no fill pass
         out.masked_fill_(~finite, math.nan)
         lse.masked_fill_(~finite, math.nan)
 
@@ -661,8 +679,9 @@ def backward_source(
     kernel: BlockKernel,
     scale: float,
 ) -> None:
-    """Add one source's blocks to ``grads`` = (dQ, dK, dV) in place, given ``tensors`` = (dout, q, out, lse) of the
-    local queries; dK/dV are the source's (or its piece's, with the blocks' columns relative to it)."""
+    """Add one source's blocks to ``grads`` = (dQ, dK, dV) in place, given ``tensors`` = (dout, q, out,
+    ``finite_lse(lse)``) of the local queries; dK/dV are the source's (or its piece's, with the blocks' columns
+    relative to it)."""
     groups = tensors[1].shape[1] // k.shape[1]
     if not blocks or kernel.shares_kv_heads or groups == 1:
         for block in blocks:
