@@ -56,8 +56,8 @@ class BlockKernel:
     ``shares_kv_heads``: the functions attend ``Hq`` query heads to ``Hkv < Hq`` K/V heads without copies; if not,
     ``forward_source``/``backward_source`` repeat a source's K/V heads once for all its blocks, not once per block.
     ``needs_finite_inputs``: the forward may return wrong finite values for NaN or infinite inputs, so
-    ``forward_source`` turns every output row NaN when a source's q, k or v holds one (checked on the device, once per
-    source rather than per block).
+    ``forward_source`` turns every output row NaN when q or a source's k or v holds one (checked on the device: q once
+    per call, each source's k and v once, never per block).
     """
 
     name: str
@@ -650,7 +650,7 @@ def forward_source(
         k, v = _repeat_kv(k, q.shape[1] // k.shape[1]), _repeat_kv(v, q.shape[1] // v.shape[1])
     for block in blocks:
         _forward_block(out, lse, q, k, v, block, kernel, scale)
-    if finite is not None and (finite.device.type != "cpu" or not bool(finite)):  # on the host, read: no fill pass
+    if finite is not None and (finite.device.type != "cpu" or not bool(finite)):  # host: read it, skip a needless fill
         out.masked_fill_(~finite, math.nan)
         lse.masked_fill_(~finite, math.nan)
 
