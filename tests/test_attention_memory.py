@@ -40,8 +40,9 @@ def test_small_tiles_cut_blocks_every_way(small_tiles):
     pieces = [tile for source in plan.piece_tiles for piece in source for tile in piece]
     rows = tokens[0].doc.shape[0]
     tile = -(-rows // TILES_PER_RANK)
-    assert sorted(torch.cat(plan.pieces).tolist()) == list(range(rows)), "the pieces cut the local rows"
-    assert len(plan.pieces) > 1 and all(piece.numel() <= tile for piece in plan.pieces)
+    piece_rows = [kernels._positions(piece) for piece in plan.pieces]
+    assert sorted(torch.cat(piece_rows).tolist()) == list(range(rows)), "the pieces cut the local rows"
+    assert len(plan.pieces) > 1 and all(piece.numel() <= tile for piece in piece_rows)
     assert len(tiles) > sum(map(len, plan.blocks)) and len(pieces) > len(tiles)
     assert any(isinstance(tile.rows, torch.Tensor) for tile in tiles), "document groups address scattered rows"
     assert any(tile.causal for tile in pieces) and any(tile.mask is not None for tile in pieces)
@@ -65,6 +66,17 @@ def test_key_pieces_hold_early_and_late_keys_alike():
         for piece in range(len(plans[0].pieces)):
             work = [sum(_pairs(tile) for tile in plan.piece_tiles[src][piece]) for plan in plans]
             assert max(work) - min(work) <= 8, f"source {src} piece {piece}: pairs per rank {work}"
+
+
+def test_a_small_documents_chunks_share_a_key_piece_and_its_backward_diagonal_joins():
+    """Two documents of 40 tokens at cp 2 with pieces of 20 rows: each piece mirrors its front rows within their own
+    document, so it holds one whole document (rank 0: chunks 0 and 3, adjacent in local order), and the backward
+    attends that document's own keys in one causal tile, as the forward does, instead of three."""
+    tokens = zigzag.ZigzagGeometry.packed(2, [40, 40]).rank_tokens
+    plan = kernels.build_block_plan(tokens, 0, True, torch.device("cpu"), tile=20)
+    assert plan.pieces == (slice(0, 20), slice(20, 40))
+    own = [[(tile.rows, tile.cols, tile.causal) for tile in piece] for piece in plan.piece_tiles[0]]
+    assert own == [[(slice(0, 20), slice(0, 20), True)], [(slice(20, 40), slice(0, 20), True)]]
 
 
 def test_a_documents_blocks_from_both_halves_join_into_one_forward_tile():

@@ -72,6 +72,12 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def as_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` in ``dtype``: itself when it already is (``Tensor.to`` costs a few microseconds even then, and the tile
+    loops would pay that thousands of times per call)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def finite_lse(lse: Tensor) -> Tensor:
     """Replace ``-inf`` (rows without keys) by 0 so ``exp(score - lse)`` stays 0 instead of NaN (NaN stays NaN)."""
     return lse.nan_to_num(nan=math.nan, posinf=math.inf, neginf=0.0)
@@ -194,11 +200,11 @@ def cpu_flash_backward(
     """Backward of ``cpu_flash_forward`` for one block given the merged ``out`` and ``lse``."""
     kv_heads, groups = k.shape[1], q.shape[1] // k.shape[1]
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.to(q.dtype),
+        as_dtype(dout, q.dtype),
         q,
         _repeat_kv(k, groups),
         _repeat_kv(v, groups),
-        out.to(q.dtype),
+        as_dtype(out, q.dtype),
         lse,
         0.0,
         causal,
@@ -288,9 +294,14 @@ def build_block_plan(
                     owner = (q_half, k_half, number) if doc is None else doc
                     quadrants.setdefault(owner, {})[q_half, k_half] = shifted
         col_pieces = _key_pieces(source, tile, mirrored=len(tokens) > 1)
-        forward = _tiled_forward(_joined(quadrants, True), tokens[rank].perm, source.perm, tile)
+        forward = _tiled_forward(_joined(quadrants, lambda rows: True), tokens[rank].perm, source.perm, tile)
         backward = _tiled_backward(
-            _joined(quadrants, False), tokens[rank].perm, source.perm, tile, row_pieces, col_pieces
+            _joined(quadrants, functools.partial(_in_one_piece, perm=tokens[rank].perm, pieces=row_pieces)),
+            tokens[rank].perm,
+            source.perm,
+            tile,
+            row_pieces,
+            col_pieces,
         )
         blocks.append(tuple(source_blocks))
         tiles.append(tuple(_on_device(block, device) for block in forward))
@@ -311,16 +322,18 @@ class _Pieces:
 
 def _key_pieces(tokens: RankTokens, tile: int, mirrored: bool) -> _Pieces:
     """Cut a rank's local rows into pieces of at most ``tile`` rows. ``mirrored`` (several ranks): piece ``j`` is
-    the half-major front rows ``[j*h, (j+1)*h)`` (``h = tile / 2``) with their mirror images in the back half, so it
-    holds early and late keys alike and costs every rank about the same work (a dense sequence: exactly), and ranks
-    that pass pieces in lockstep seldom wait for each other; otherwise adjacent rows."""
+    the half-major front rows ``[j*h, (j+1)*h)`` (``h = tile / 2``) with their mirror images within their document's
+    back chunk, so it holds early and late keys alike and costs every rank about the same work (a dense sequence:
+    exactly), ranks that pass pieces in lockstep seldom wait for each other, and a small document's two chunks share a
+    piece (its backward tiles join as its forward tiles do); otherwise adjacent rows."""
     local = tokens.doc.shape[0]
     if mirrored:
         half, width = local // 2, -(-tile // 2)
+        front = torch.arange(half)
+        mirror = half + _document_mirror(front if tokens.perm is None else tokens.perm[:half])
         groups = []
         for start in range(0, half, width):
-            front = torch.arange(start, min(start + width, half))
-            positions = torch.cat([front, local - 1 - front])
+            positions = torch.cat([front[start : start + width], mirror[start : start + width]])
             groups.append(torch.sort(positions if tokens.perm is None else tokens.perm[positions]).values)
     else:
         groups = [torch.arange(start, min(start + tile, local)) for start in range(0, local, tile)]
@@ -328,6 +341,26 @@ def _key_pieces(tokens: RankTokens, tile: int, mirrored: bool) -> _Pieces:
     for number, rows in enumerate(groups):
         piece[rows], slot[rows] = number, torch.arange(rows.numel())
     return _Pieces(tuple(_as_index(rows) for rows in groups), piece, slot)
+
+
+def _document_mirror(front_local: Tensor) -> Tensor:
+    """Per front-half position, the back-half position of its mirror image within its document: the front half's
+    documents are the runs of adjacent local rows (their back chunks lie between them), each back chunk as long as
+    its front chunk and in the same order, so front position ``a + i`` of a run ``[a, b)`` mirrors to ``b - 1 - i``."""
+    count = front_local.numel()
+    starts = torch.ones(count, dtype=torch.bool)
+    starts[1:] = front_local[1:] != front_local[:-1] + 1
+    run = torch.cumsum(starts, 0) - 1
+    first = torch.nonzero(starts).squeeze(1)
+    stop = torch.cat([first[1:], torch.tensor([count])])
+    position = torch.arange(count)
+    return first[run] + stop[run] - 1 - position
+
+
+def _in_one_piece(rows: Tensor, perm: Tensor | None, pieces: _Pieces) -> bool:
+    """Whether half-major ``rows`` all lie in one key piece (a document's diagonal that the backward can join)."""
+    ids = pieces.piece[_local_rows(rows, perm)]
+    return bool((ids == ids[0]).all())
 
 
 @dataclass(frozen=True)
@@ -423,19 +456,24 @@ def _masked_block(
     return Block(rows, cols, None if bool(mask.all()) else mask)
 
 
-def _joined(quadrants: dict[object, dict[tuple[int, int], Block]], causal_too: bool) -> list[Block]:
+def _joined(
+    quadrants: dict[object, dict[tuple[int, int], Block]], diagonal_joins: Callable[[Tensor], bool]
+) -> list[Block]:
     """One source's blocks with each document's (query half, key half) quadrants joined into fewer, larger blocks:
-    two fully visible quadrants side by side (the same columns, or the same rows) into one, and, if ``causal_too``, a
-    document's causal diagonal (two causal quadrants and the full one between them) into one causal block. In local
-    order a document's two halves are adjacent, so a joined block is one larger kernel call. Not for the backward's
-    causal blocks, whose rows are cut by key piece: there a joined diagonal would need masked tiles."""
+    two fully visible quadrants side by side (the same columns, or the same rows) into one, and a document's causal
+    diagonal (two causal quadrants and the full one between them) into one causal block where ``diagonal_joins`` of
+    its rows says so. In local order a document's two halves are adjacent, so a joined block is one larger kernel
+    call. The backward joins a diagonal only within one key piece: its causal rows are cut by piece, and a joined
+    diagonal across pieces would need masked tiles."""
     joined: list[Block] = []
     for parts in quadrants.values():
         parts = dict(parts)
         front, between, back = parts.get((0, 0)), parts.get((1, 0)), parts.get((1, 1))
-        if causal_too and (0, 1) not in parts and _is_causal(front) and _is_full(between) and _is_causal(back):
-            joined.append(Block(_union(front.rows, back.rows), _union(front.cols, back.cols), causal=True))
-            continue
+        if (0, 1) not in parts and _is_causal(front) and _is_full(between) and _is_causal(back):
+            rows = _union(front.rows, back.rows)
+            if diagonal_joins(rows):
+                joined.append(Block(rows, _union(front.cols, back.cols), causal=True))
+                continue
         for k_half in (0, 1):
             top, bottom = parts.get((0, k_half)), parts.get((1, k_half))
             if _is_full(top) and _is_full(bottom):
@@ -606,9 +644,9 @@ def take_rows(x: Tensor, index: slice | Tensor, dim: int) -> Tensor:
 def add_rows(x: Tensor, index: slice | Tensor, value: Tensor, dim: int) -> None:
     """Add ``value``, rounded to ``x``'s dtype first, to rows ``index`` of ``x`` along ``dim`` in place."""
     if isinstance(index, slice):
-        take_rows(x, index, dim).add_(value.to(x.dtype))
+        take_rows(x, index, dim).add_(as_dtype(value, x.dtype))
     else:
-        x.index_add_(dim, index, value.to(x.dtype))
+        x.index_add_(dim, index, as_dtype(value, x.dtype))
 
 
 def set_rows(x: Tensor, index: slice | Tensor, value: Tensor, dim: int) -> None:
@@ -616,14 +654,14 @@ def set_rows(x: Tensor, index: slice | Tensor, value: Tensor, dim: int) -> None:
     if isinstance(index, slice):
         take_rows(x, index, dim).copy_(value)
     else:
-        x.index_copy_(dim, index, value.to(x.dtype))
+        x.index_copy_(dim, index, as_dtype(value, x.dtype))
 
 
 def _merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
     """Combine a block's partial softmax result into ``out``/``lse`` in place by log-sum-exp; rows empty in both stay
     zero. The block's share of the merged softmax is ``exp(block_lse - merged)``, and one ``lerp_`` weighs the two."""
     merged = torch.logaddexp(lse, block_lse)
-    out.lerp_(block_out.to(out.dtype), torch.exp(block_lse - finite_lse(merged)).unsqueeze(-1))
+    out.lerp_(as_dtype(block_out, out.dtype), torch.exp(block_lse - finite_lse(merged)).unsqueeze(-1))
     lse.copy_(merged)
 
 
