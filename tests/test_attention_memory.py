@@ -43,6 +43,9 @@ def test_small_tiles_cut_blocks_every_way(small_tiles):
     piece_rows = [kernels._positions(piece) for piece in plan.pieces]
     assert sorted(torch.cat(piece_rows).tolist()) == list(range(rows)), "the pieces cut the local rows"
     assert len(plan.pieces) > 1 and all(piece.numel() <= tile for piece in piece_rows)
+    counts = [(kernels.index_count(t.rows), kernels.index_count(t.cols)) for t in pieces]
+    assert max(max(pair) for pair in counts) <= tile, "a backward tile spans at most a tile's rows and columns"
+    assert max(kernels.index_count(t.rows) for t in tiles) <= 2 * tile, "a forward tile at most _FORWARD_TILES'"
     assert len(tiles) > sum(map(len, plan.blocks)) and len(pieces) > len(tiles)
     assert any(isinstance(tile.rows, torch.Tensor) for tile in tiles), "document groups address scattered rows"
     assert any(tile.causal for tile in pieces) and any(tile.mask is not None for tile in pieces)
@@ -68,6 +71,19 @@ def test_key_pieces_hold_early_and_late_keys_alike():
             assert max(work) - min(work) <= 8, f"source {src} piece {piece}: pairs per rank {work}"
 
 
+def test_key_pieces_keep_small_documents_whole_and_cut_only_larger_ones():
+    """Pieces of 16 rows (8 front rows and their mirrors) at cp 2. Documents of 24 and 12 tokens (front chunks of 6
+    and 3 rows): the second does not fit beside the first, so the first piece ends early and each piece is one
+    document's adjacent rows, on both ranks. Documents of 8, 12 and 40 tokens (front chunks of 2, 3 and 10): the
+    large one is cut where the rows run out, its first run sharing the first piece with the two small ones."""
+    tokens = zigzag.ZigzagGeometry.packed(2, [24, 12]).rank_tokens
+    plans = [kernels.build_block_plan(tokens, rank, True, torch.device("cpu"), tile=16) for rank in range(2)]
+    assert [plan.pieces for plan in plans] == [(slice(0, 12), slice(12, 18))] * 2
+    tokens = zigzag.ZigzagGeometry.packed(2, [8, 12, 40]).rank_tokens
+    plan = kernels.build_block_plan(tokens, 0, True, torch.device("cpu"), tile=16)
+    assert plan.pieces[0].tolist() == [*range(13), 27, 28, 29] and plan.pieces[1] == slice(13, 27)
+
+
 def test_a_small_documents_chunks_share_a_key_piece_and_its_backward_diagonal_joins():
     """Two documents of 40 tokens at cp 2 with pieces of 20 rows: each piece mirrors its front rows within their own
     document, so it holds one whole document (rank 0: chunks 0 and 3, adjacent in local order), and the backward
@@ -77,6 +93,19 @@ def test_a_small_documents_chunks_share_a_key_piece_and_its_backward_diagonal_jo
     assert plan.pieces == (slice(0, 20), slice(20, 40))
     own = [[(tile.rows, tile.cols, tile.causal) for tile in piece] for piece in plan.piece_tiles[0]]
     assert own == [[(slice(0, 20), slice(0, 20), True)], [(slice(20, 40), slice(0, 20), True)]]
+
+
+def test_a_block_smaller_than_a_tile_keeps_its_rows_whole_across_a_tile_boundary():
+    """Documents of 50 and 60 tokens, one rank, no causal mask, tiles of 80 rows: the second document's rows 50..109
+    cross row 80, but only the key pieces cut it (its columns), so each piece meets it in one tile of all its rows."""
+    tokens = zigzag.ZigzagGeometry.packed(1, [50, 60]).rank_tokens
+    plan = kernels.build_block_plan(tokens, 0, False, torch.device("cpu"), tile=80)
+    assert plan.pieces == (slice(0, 80), slice(80, 110))
+    backward = [[(tile.rows, tile.cols) for tile in piece] for piece in plan.piece_tiles[0]]
+    first, second = [(slice(0, 50), slice(0, 50)), (slice(50, 110), slice(50, 80))], [(slice(50, 110), slice(0, 30))]
+    assert backward == [first, second]
+    chunks = [chunk.tolist() for chunk in kernels._row_chunks(17, 8)]
+    assert chunks == [list(range(0, 6)), list(range(6, 12)), list(range(12, 17))], "as few near-equal runs as fit"
 
 
 def test_a_documents_blocks_from_both_halves_join_into_one_forward_tile():

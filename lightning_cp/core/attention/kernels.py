@@ -321,19 +321,23 @@ class _Pieces:
 
 
 def _key_pieces(tokens: RankTokens, tile: int, mirrored: bool) -> _Pieces:
-    """Cut a rank's local rows into pieces of at most ``tile`` rows. ``mirrored`` (several ranks): piece ``j`` is
-    the half-major front rows ``[j*h, (j+1)*h)`` (``h = tile / 2``) with their mirror images within their document's
-    back chunk, so it holds early and late keys alike and costs every rank about the same work (a dense sequence:
-    exactly), ranks that pass pieces in lockstep seldom wait for each other, and a small document's two chunks share a
-    piece (its backward tiles join as its forward tiles do); otherwise adjacent rows."""
+    """Cut a rank's local rows into pieces of at most ``tile`` rows. ``mirrored`` (several ranks): a piece holds
+    half-major front rows with their mirror images within their own document's back chunk, so it holds early and late
+    keys alike and costs every rank about the same work (a dense sequence: exactly), and ranks that pass pieces in
+    lockstep seldom wait for each other. Pieces take ``tile / 2`` front rows each, but a document whose front chunk
+    fits in one is never cut (``_piece_bounds``): a piece of whole documents is adjacent local rows, which the exchange
+    moves without a gather and which cuts none of their tiles. Otherwise adjacent rows."""
     local = tokens.doc.shape[0]
     if mirrored:
-        half, width = local // 2, -(-tile // 2)
-        front = torch.arange(half)
-        mirror = half + _document_mirror(front if tokens.perm is None else tokens.perm[:half])
+        half = local // 2
+        front_local = torch.arange(half) if tokens.perm is None else tokens.perm[:half]
+        starts, stops = _front_chunks(front_local)
+        position = torch.arange(half)
+        chunk = torch.repeat_interleave(torch.arange(len(starts)), torch.tensor(stops) - torch.tensor(starts))
+        mirror = half + torch.tensor(starts)[chunk] + torch.tensor(stops)[chunk] - 1 - position
         groups = []
-        for start in range(0, half, width):
-            positions = torch.cat([front[start : start + width], mirror[start : start + width]])
+        for begin, end in _piece_bounds(starts, stops, max(1, tile // 2)):
+            positions = torch.cat([position[begin:end], mirror[begin:end]])
             groups.append(torch.sort(positions if tokens.perm is None else tokens.perm[positions]).values)
     else:
         groups = [torch.arange(start, min(start + tile, local)) for start in range(0, local, tile)]
@@ -343,18 +347,35 @@ def _key_pieces(tokens: RankTokens, tile: int, mirrored: bool) -> _Pieces:
     return _Pieces(tuple(_as_index(rows) for rows in groups), piece, slot)
 
 
-def _document_mirror(front_local: Tensor) -> Tensor:
-    """Per front-half position, the back-half position of its mirror image within its document: the front half's
-    documents are the runs of adjacent local rows (their back chunks lie between them), each back chunk as long as
-    its front chunk and in the same order, so front position ``a + i`` of a run ``[a, b)`` mirrors to ``b - 1 - i``."""
-    count = front_local.numel()
-    starts = torch.ones(count, dtype=torch.bool)
-    starts[1:] = front_local[1:] != front_local[:-1] + 1
-    run = torch.cumsum(starts, 0) - 1
-    first = torch.nonzero(starts).squeeze(1)
-    stop = torch.cat([first[1:], torch.tensor([count])])
-    position = torch.arange(count)
-    return first[run] + stop[run] - 1 - position
+def _front_chunks(front_local: Tensor) -> tuple[list[int], list[int]]:
+    """The documents' front chunks as [start, stop) front-half positions: the runs of adjacent local rows (a
+    document's back chunk, as long as its front chunk and in the same order, lies between two runs)."""
+    if front_local.numel() == 0:
+        return [], []
+    breaks = torch.nonzero(front_local[1:] != front_local[:-1] + 1).squeeze(1) + 1
+    bounds = [0, *breaks.tolist(), front_local.numel()]
+    return bounds[:-1], bounds[1:]
+
+
+def _piece_bounds(starts: list[int], stops: list[int], width: int) -> list[tuple[int, int]]:
+    """Front-half [begin, end) of each piece, ``width`` rows each: a chunk that fits in one is never cut (the piece
+    before it ends early instead); a larger chunk is cut where the rows run out, so its first and last runs share
+    pieces with the chunks before and after it."""
+    bounds: list[tuple[int, int]] = []
+    begin = 0
+    for start, stop in zip(starts, stops, strict=True):
+        if stop - begin <= width:
+            continue
+        if start > begin and stop - start <= width:
+            bounds.append((begin, start))
+            begin = start
+            continue
+        while stop - begin > width:
+            bounds.append((begin, begin + width))
+            begin += width
+    if stops and begin < stops[-1]:
+        bounds.append((begin, stops[-1]))
+    return bounds
 
 
 def _in_one_piece(rows: Tensor, perm: Tensor | None, pieces: _Pieces) -> bool:
@@ -527,12 +548,12 @@ def _on_device(block: Block, device: torch.device) -> Block:
 
 
 def _tiled_forward(blocks: Sequence[Block], row_perm: Tensor | None, col_perm: Tensor | None, tile: int) -> list[Block]:
-    """Cut one source's blocks into the forward's local-order tiles: rows cut at multiples of ``_FORWARD_TILES *
-    tile``, columns whole except where a causal block's diagonal needs them cut."""
+    """Cut one source's blocks into the forward's local-order tiles: rows in runs of at most ``_FORWARD_TILES *
+    tile`` (``_row_chunks``), columns whole except where a causal block's diagonal needs them cut."""
     forward: list[Block] = []
     for block in blocks:
         rows, cols = _local_rows(block.rows, row_perm), _local_rows(block.cols, col_perm)
-        for _, i in _groups(torch.div(rows, _FORWARD_TILES * tile, rounding_mode="floor")):
+        for i in _row_chunks(rows.numel(), _FORWARD_TILES * tile):
             for j in _forward_columns(block, i, cols.numel()):
                 forward += _sub_block(block, rows, cols, i, j)
     return forward
@@ -547,13 +568,16 @@ def _tiled_backward(
     col_pieces: _Pieces,
 ) -> list[list[Block]]:
     """Cut one source's blocks, per key piece, into the backward's tiles: columns cut by piece, relative to it; rows
-    cut at multiples of ``tile``, or by piece where a causal block needs the same cuts on both sides."""
+    in runs of at most ``tile``, or by piece where a causal block needs the same cuts on both sides."""
     backward: list[list[Block]] = [[] for _ in col_pieces.rows]
     for block in blocks:
         rows, cols = _local_rows(block.rows, row_perm), _local_rows(block.cols, col_perm)
-        row_ids = row_pieces.piece[rows] if block.causal else torch.div(rows, tile, rounding_mode="floor")
+        if block.causal:
+            row_groups = [i for _, i in _groups(row_pieces.piece[rows])]
+        else:
+            row_groups = _row_chunks(rows.numel(), tile)
         col_groups, slots = _groups(col_pieces.piece[cols]), col_pieces.slot[cols]
-        for _, i in _groups(row_ids):
+        for i in row_groups:
             for piece, j in col_groups:
                 backward[piece] += _sub_block(block, rows, slots, i, j)
     return backward
@@ -568,6 +592,13 @@ def _local_rows(rows: slice | Tensor, perm: Tensor | None) -> Tensor:
 def _groups(ids: Tensor) -> list[tuple[int, Tensor]]:
     """Group a block's rows by id (a tile or piece number): (id, positions within the block), ids ascending."""
     return [(int(t), torch.nonzero(ids == t).squeeze(1)) for t in torch.unique(ids)]
+
+
+def _row_chunks(count: int, limit: int) -> list[Tensor]:
+    """A block's row positions in as few runs of adjacent positions as keep each within ``limit`` rows, of near-equal
+    size (a block smaller than a tile stays whole wherever it lies)."""
+    parts = -(-count // limit)
+    return [chunk for chunk in torch.arange(count).tensor_split(parts) if chunk.numel()]
 
 
 def _forward_columns(block: Block, i: Tensor, count: int) -> list[Tensor]:
@@ -659,10 +690,12 @@ def set_rows(x: Tensor, index: slice | Tensor, value: Tensor, dim: int) -> None:
 
 def _merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
     """Combine a block's partial softmax result into ``out``/``lse`` in place by log-sum-exp; rows empty in both stay
-    zero. The block's share of the merged softmax is ``exp(block_lse - merged)``, and one ``lerp_`` weighs the two."""
-    merged = torch.logaddexp(lse, block_lse)
-    out.lerp_(as_dtype(block_out, out.dtype), torch.exp(block_lse - finite_lse(merged)).unsqueeze(-1))
-    lse.copy_(merged)
+    zero. The block's share of the merged softmax, ``exp(block_lse - logaddexp(lse, block_lse))``, is
+    ``sigmoid(block_lse - lse)`` (1 for a row's first keys, 0 for none, so ``lerp_`` copies or keeps exactly). Where
+    that is NaN the weight is 0: both -inf (no keys yet), or a non-finite row, whose output is NaN and stays NaN."""
+    weight = torch.sub(block_lse, lse).sigmoid_().nan_to_num_(0.0)
+    out.lerp_(as_dtype(block_out, out.dtype), weight.unsqueeze(-1))
+    torch.logaddexp(lse, block_lse, out=lse)
 
 
 def forward_source(
