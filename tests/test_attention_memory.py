@@ -45,7 +45,7 @@ def test_small_tiles_cut_blocks_every_way(small_tiles):
     assert len(plan.pieces) > 1 and all(piece.numel() <= tile for piece in piece_rows)
     counts = [(kernels.index_count(t.rows), kernels.index_count(t.cols)) for t in pieces]
     assert max(max(pair) for pair in counts) <= tile, "a backward tile spans at most a tile's rows and columns"
-    assert max(kernels.index_count(t.rows) for t in tiles) <= 2 * tile, "a forward tile at most _FORWARD_TILES'"
+    assert max(kernels.index_count(t.rows) for t in tiles) <= 2 * tile, "a forward tile spans at most 2 tiles' rows"
     assert len(tiles) > sum(map(len, plan.blocks)) and len(pieces) > len(tiles)
     assert any(isinstance(tile.rows, torch.Tensor) for tile in tiles), "document groups address scattered rows"
     assert any(tile.causal for tile in pieces) and any(tile.mask is not None for tile in pieces)

@@ -332,9 +332,9 @@ def _key_pieces(tokens: RankTokens, tile: int, mirrored: bool) -> _Pieces:
         half = local // 2
         front_local = torch.arange(half) if tokens.perm is None else tokens.perm[:half]
         starts, stops = _front_chunks(front_local)
-        position = torch.arange(half)
-        chunk = torch.repeat_interleave(torch.arange(len(starts)), torch.tensor(stops) - torch.tensor(starts))
-        mirror = half + torch.tensor(starts)[chunk] + torch.tensor(stops)[chunk] - 1 - position
+        chunk_start, chunk_stop = (torch.tensor(bounds, dtype=torch.int64) for bounds in (starts, stops))
+        position = torch.arange(half)  # front position a + i of a chunk [a, b) mirrors to back position b - 1 - i
+        mirror = half + (chunk_start + chunk_stop - 1).repeat_interleave(chunk_stop - chunk_start) - position
         groups = []
         for begin, end in _piece_bounds(starts, stops, max(1, tile // 2)):
             positions = torch.cat([position[begin:end], mirror[begin:end]])
@@ -358,9 +358,9 @@ def _front_chunks(front_local: Tensor) -> tuple[list[int], list[int]]:
 
 
 def _piece_bounds(starts: list[int], stops: list[int], width: int) -> list[tuple[int, int]]:
-    """Front-half [begin, end) of each piece, ``width`` rows each: a chunk that fits in one is never cut (the piece
-    before it ends early instead); a larger chunk is cut where the rows run out, so its first and last runs share
-    pieces with the chunks before and after it."""
+    """Front-half [begin, end) of each piece, at most ``width`` rows each: a chunk that fits in one is never cut (the
+    piece before it ends early instead); a larger chunk is cut where the rows run out, so its first and last runs
+    share pieces with the chunks before and after it."""
     bounds: list[tuple[int, int]] = []
     begin = 0
     for start, stop in zip(starts, stops, strict=True):
