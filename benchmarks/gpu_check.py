@@ -385,11 +385,11 @@ def judge(errors: dict[str, Error], baseline: dict[str, Error], problems: Sequen
 
 
 def library_backends(device: str) -> list[str]:
-    """The library's attention kernels usable on ``device``: flash-attn (when installed) and math on CUDA, the CPU
-    flash kernel and math on CPU."""
+    """The library's attention kernels usable on ``device``: torch's CUDA kernels, flash-attn (when installed) and
+    math on CUDA, the CPU flash kernel and math on CPU."""
     if device == "cpu":
         return ["math", "cpu_flash"]
-    return ["math", *(["flash_attn"] if attention.flash_attn_varlen_func() is not None else [])]
+    return ["math", "cuda_sdpa", *(["flash_attn"] if attention.flash_attn_varlen_func() is not None else [])]
 
 
 # One rank's local attention work, run in this process.
@@ -885,7 +885,7 @@ def math_memory_problem(settings: Settings, geometry: ZigzagGeometry) -> str:
         return ""
     largest = 0
     for rank in range(geometry.cp_size):
-        plan = attention._block_plan(geometry, rank, True, torch.device("cpu"))
+        plan = attention._block_plan(geometry, rank, True, torch.device(settings.device))
         tiles = [t for source in plan.tiles for t in source]
         tiles += [t for source in plan.piece_tiles for piece in source for t in piece]
         largest = max([largest, *(kernels.index_count(t.rows) * kernels.index_count(t.cols) for t in tiles)])

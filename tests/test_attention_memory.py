@@ -124,7 +124,7 @@ def test_causal_tiles_cover_the_triangle_once_in_small_diagonal_squares():
     """A causal square of local rows 100..399 against columns 0..299: every visible pair in exactly one tile, causal
     tiles only along the diagonal and at most ``_CAUSAL_LEAF_ROWS`` rows."""
     size, shift = 300, 100
-    tiles = kernels._causal_tiles(torch.arange(shift, shift + size), torch.arange(size))
+    tiles = kernels._causal_tiles(torch.arange(shift, shift + size), torch.arange(size), kernels._CAUSAL_LEAF_ROWS)
     covered = torch.zeros(size, size, dtype=torch.int64)
     for tile in tiles:
         row, col = (torch.arange(index.start, index.stop) for index in (tile.rows, tile.cols))

@@ -29,6 +29,7 @@ from lightning_cp.core import comm
 from lightning_cp.core.attention.head_parallel import head_parallel, kv_replication, natural_order_plan
 from lightning_cp.core.attention.kernels import (
     CPU_FLASH,
+    CUDA_SDPA,
     MATH,
     BlockKernel,
     BlockPlan,
@@ -71,8 +72,9 @@ class AttentionMode(str, Enum):
 
 
 MODES = tuple(mode.value for mode in AttentionMode)
-BACKENDS = ("auto", "cpu_flash", "math", "flash_attn")
-_KERNELS = {"cpu_flash": CPU_FLASH, "math": MATH}
+BACKENDS = ("auto", "cpu_flash", "cuda_sdpa", "math", "flash_attn")
+_KERNELS = {"cpu_flash": CPU_FLASH, "cuda_sdpa": CUDA_SDPA, "math": MATH}
+_CUDA_SDPA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOGGED_CHOICES: set[tuple[str, str, str]] = set()
 _RING_KV_TAG, _RING_BACKWARD_KV_TAG, _RING_DKV_TAG = 0, 1, 2
 
@@ -748,10 +750,13 @@ def _choose_kernel(backend: str, mode: str, q: Tensor) -> str:
     """Resolve ``backend`` to a kernel name, rejecting choices this input cannot use."""
     flash_ok = flash_attn_varlen_func() is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
     flash_modes = (AttentionMode.ALLGATHER.value, AttentionMode.ULYSSES.value)
+    sdpa_ok = q.is_cuda and q.dtype in _CUDA_SDPA_DTYPES
     if backend == "auto":
         if flash_ok and mode in flash_modes:
             return "flash_attn"
-        return "cpu_flash" if q.device.type == "cpu" else "math"
+        if q.device.type == "cpu":
+            return "cpu_flash"
+        return "cuda_sdpa" if sdpa_ok else "math"
     if backend == "flash_attn" and (not flash_ok or mode not in flash_modes):
         raise ValueError(
             f"backend='flash_attn' with mode={mode!r}, {q.dtype} on {q.device}; expected flash-attn installed, "
@@ -759,6 +764,10 @@ def _choose_kernel(backend: str, mode: str, q: Tensor) -> str:
         )
     if backend == "cpu_flash" and q.device.type != "cpu":
         raise ValueError(f"backend='cpu_flash' with tensors on {q.device}; expected CPU tensors")
+    if backend == "cuda_sdpa" and not sdpa_ok:
+        raise ValueError(
+            f"backend='cuda_sdpa' with {q.dtype} tensors on {q.device}; expected CUDA float16, bfloat16 or float32"
+        )
     return backend
 
 

@@ -47,6 +47,9 @@ _FORWARD_TILES = 4
 # Causal tiles are cut into diagonal squares of at most this many rows and the full rectangles beside them: ATen's
 # CPU flash kernels skip masked keys only in 512-key blocks, so a larger causal tile costs almost its whole square.
 _CAUSAL_LEAF_ROWS = 64
+# On a GPU a kernel call's fixed cost (launches, the host's bookkeeping) is worth far more score pairs than on a CPU:
+# tiles there take at least this many rows, and causal squares stay whole (its kernels skip masked key blocks).
+_GPU_MIN_TILE_ROWS = 4096
 
 
 @dataclass(frozen=True)
@@ -179,11 +182,16 @@ def cpu_flash_forward(
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, attn_mask=additive, scale=scale
     )
-    if mask is not None:
-        empty = ~mask.any(-1)
-        lse = lse.masked_fill(empty, _NEG_INF)
-        out = out.masked_fill(empty.unsqueeze(-1), 0.0)
-    return out, lse
+    return _cleared_empty_rows(out, lse, mask)
+
+
+def _cleared_empty_rows(out: Tensor, lse: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Give the rows ``mask`` leaves without keys the contract's zero output and ``-inf`` log-sum-exp (the fused
+    kernels return whatever their arithmetic gives there)."""
+    if mask is None:
+        return out, lse
+    empty = ~mask.any(-1)
+    return out.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, _NEG_INF)
 
 
 def cpu_flash_backward(
@@ -216,9 +224,79 @@ def cpu_flash_backward(
     return dq, _grouped(dk, kv_heads).sum(2), _grouped(dv, kv_heads).sum(2)
 
 
+# The memory-efficient CUDA kernel returns its log-sum-exp with the rows padded to a multiple of this, and wants its
+# additive mask's rows to start at multiples of ``_BIAS_ALIGNMENT`` elements.
+_LSE_ROW_ALIGNMENT = 32
+_BIAS_ALIGNMENT = 16
+
+
+def _takes_cuda_flash(q: Tensor, mask: Tensor | None) -> bool:
+    """Whether torch's CUDA flash kernel runs this tile: half precision, no mask, a head dim it supports."""
+    return mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+
+
+def _aligned_bias(mask: Tensor | None, q: Tensor, cols: int) -> Tensor | None:
+    """The additive mask ``[B, H, Sq, Sk]`` for the memory-efficient kernel: rows padded to its alignment, then
+    sliced back, and broadcast over batch and heads without a copy."""
+    if mask is None:
+        return None
+    padded = -(-cols // _BIAS_ALIGNMENT) * _BIAS_ALIGNMENT
+    bias = torch.zeros((mask.shape[0], padded), dtype=q.dtype, device=q.device)
+    bias[:, :cols].masked_fill_(~mask, _NEG_INF)
+    return bias[:, :cols].expand(q.shape[0], q.shape[1], mask.shape[0], cols)
+
+
+def cuda_sdpa_forward(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """torch's own CUDA attention kernels, which return the log-sum-exp: flash for unmasked half-precision tiles, the
+    memory-efficient kernel (any mask, float32 too) for the others. Both need one K/V head per query head."""
+    if _takes_cuda_flash(q, mask):
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
+        return out, lse
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, _aligned_bias(mask, q, k.shape[2]), True, 0.0, causal, scale=scale
+    )
+    return _cleared_empty_rows(out, lse[..., : q.shape[2]], mask)
+
+
+def cuda_sdpa_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward of ``cuda_sdpa_forward`` for one tile given the merged ``out`` and ``lse`` (no dropout, so the random
+    state the kernels take is never read)."""
+    dout, out = as_dtype(dout, q.dtype), as_dtype(out, q.dtype)
+    rows, cols = q.shape[2], k.shape[2]
+    if _takes_cuda_flash(q, mask):
+        seed, offset = (torch.zeros(shape, dtype=torch.uint64, device=q.device) for shape in ((2,), ()))
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.contiguous(), None, None, rows, cols, 0.0, causal, seed, offset, scale=scale
+        )
+        return dq, dk, dv
+    padded = lse.new_zeros((*lse.shape[:2], -(-rows // _LSE_ROW_ALIGNMENT) * _LSE_ROW_ALIGNMENT))
+    padded[..., :rows] = lse
+    seed, offset = (torch.zeros((), dtype=torch.int64, device=q.device) for _ in range(2))
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, _aligned_bias(mask, q, cols), out, padded, seed, offset, 0.0, [True, True, True, False],
+        causal, scale=scale,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
 MATH = BlockKernel("math", math_forward, math_backward)
 CPU_FLASH = BlockKernel(
     "cpu_flash", cpu_flash_forward, cpu_flash_backward, shares_kv_heads=False, needs_finite_inputs=True
+)
+CUDA_SDPA = BlockKernel(
+    "cuda_sdpa", cuda_sdpa_forward, cuda_sdpa_backward, shares_kv_heads=False, needs_finite_inputs=True
 )
 
 
@@ -265,11 +343,13 @@ class BlockPlan:
     piece_tiles: tuple[tuple[tuple[Block, ...], ...], ...]
 
 
-def tile_rows(local_rows: int) -> int:
+def tile_rows(local_rows: int, device: torch.device) -> int:
     """Rows per tile for a rank holding ``local_rows`` rows: 1/16 of them, so the backward's piece buffers and
-    per-call kernel outputs stay a fraction of the rank's own tensors, but at least 512: below 8192 rows per rank
-    fewer, larger calls are faster (fewer collectives, bigger kernel blocks) and the attention's memory is small."""
-    return max(_MIN_TILE_ROWS, -(-local_rows // _TILES_PER_RANK))
+    per-call kernel outputs stay a fraction of the rank's own tensors, but at least 512 on a CPU (below 8192 rows per
+    rank fewer, larger calls are faster: fewer collectives, bigger kernel blocks; and the attention's memory is small)
+    and ``_GPU_MIN_TILE_ROWS`` elsewhere."""
+    least = _MIN_TILE_ROWS if device.type == "cpu" else _GPU_MIN_TILE_ROWS
+    return max(least, -(-local_rows // _TILES_PER_RANK))
 
 
 def build_block_plan(
@@ -279,7 +359,8 @@ def build_block_plan(
     document's across the halves (``_joined``) and cut them into tiles in local order, the backward's within key
     pieces of at most ``tile`` rows (default ``tile_rows``)."""
     half = tokens[rank].doc.shape[0] // 2
-    tile = tile or tile_rows(2 * half)
+    tile = tile or tile_rows(2 * half, device)
+    leaf = _CAUSAL_LEAF_ROWS if device.type == "cpu" else None
     documents = max((int(t.doc.max()) for t in tokens if t.doc.numel()), default=-1) + 1
     row_pieces = _key_pieces(tokens[rank], tile, mirrored=len(tokens) > 1)
     blocks, tiles, piece_tiles = [], [], []
@@ -294,12 +375,13 @@ def build_block_plan(
                     owner = (q_half, k_half, number) if doc is None else doc
                     quadrants.setdefault(owner, {})[q_half, k_half] = shifted
         col_pieces = _key_pieces(source, tile, mirrored=len(tokens) > 1)
-        forward = _tiled_forward(_joined(quadrants, lambda rows: True), tokens[rank].perm, source.perm, tile)
+        forward = _tiled_forward(_joined(quadrants, lambda rows: True), tokens[rank].perm, source.perm, tile, leaf)
         backward = _tiled_backward(
             _joined(quadrants, functools.partial(_in_one_piece, perm=tokens[rank].perm, pieces=row_pieces)),
             tokens[rank].perm,
             source.perm,
             tile,
+            leaf,
             row_pieces,
             col_pieces,
         )
@@ -547,15 +629,18 @@ def _on_device(block: Block, device: torch.device) -> Block:
     return Block(rows, cols, None if block.mask is None else block.mask.to(device), block.causal)
 
 
-def _tiled_forward(blocks: Sequence[Block], row_perm: Tensor | None, col_perm: Tensor | None, tile: int) -> list[Block]:
+def _tiled_forward(
+    blocks: Sequence[Block], row_perm: Tensor | None, col_perm: Tensor | None, tile: int, leaf: int | None
+) -> list[Block]:
     """Cut one source's blocks into the forward's local-order tiles: rows in runs of at most ``_FORWARD_TILES *
-    tile`` (``_row_chunks``), columns whole except where a causal block's diagonal needs them cut."""
+    tile`` (``_row_chunks``), columns whole except where a causal block's diagonal needs them cut (causal squares
+    into squares of at most ``leaf`` rows, if given)."""
     forward: list[Block] = []
     for block in blocks:
         rows, cols = _local_rows(block.rows, row_perm), _local_rows(block.cols, col_perm)
         for i in _row_chunks(rows.numel(), _FORWARD_TILES * tile):
             for j in _forward_columns(block, i, cols.numel()):
-                forward += _sub_block(block, rows, cols, i, j)
+                forward += _sub_block(block, rows, cols, i, j, leaf)
     return forward
 
 
@@ -564,6 +649,7 @@ def _tiled_backward(
     row_perm: Tensor | None,
     col_perm: Tensor | None,
     tile: int,
+    leaf: int | None,
     row_pieces: _Pieces,
     col_pieces: _Pieces,
 ) -> list[list[Block]]:
@@ -579,7 +665,7 @@ def _tiled_backward(
         col_groups, slots = _groups(col_pieces.piece[cols]), col_pieces.slot[cols]
         for i in row_groups:
             for piece, j in col_groups:
-                backward[piece] += _sub_block(block, rows, slots, i, j)
+                backward[piece] += _sub_block(block, rows, slots, i, j, leaf)
     return backward
 
 
@@ -610,13 +696,13 @@ def _forward_columns(block: Block, i: Tensor, count: int) -> list[Tensor]:
     return [j for j in (torch.arange(0, first), torch.arange(first, last + 1)) if j.numel()]
 
 
-def _sub_block(block: Block, rows: Tensor, cols: Tensor, i: Tensor, j: Tensor) -> list[Block]:
+def _sub_block(block: Block, rows: Tensor, cols: Tensor, i: Tensor, j: Tensor, leaf: int | None) -> list[Block]:
     """Positions ``i`` x ``j`` of ``block`` as a tile addressing ``rows[i]`` x ``cols[j]`` (a causal square as
     ``_causal_tiles``), or none if no pair there attends."""
     mask = None
     if block.causal:  # query i sees key j iff j <= i, positions within the block
         if torch.equal(i, j):
-            return _causal_tiles(rows[i], cols[j])
+            return _causal_tiles(rows[i], cols[j], leaf)
         if int(i.min()) < int(j.max()):
             if int(i.max()) < int(j.min()):
                 return []
@@ -629,14 +715,14 @@ def _sub_block(block: Block, rows: Tensor, cols: Tensor, i: Tensor, j: Tensor) -
     return [Block(_as_index(rows[i]), _as_index(cols[j]), mask)]
 
 
-def _causal_tiles(rows: Tensor, cols: Tensor) -> list[Block]:
-    """A causal square (row ``n`` sees columns ``<= n``) as causal squares of at most ``_CAUSAL_LEAF_ROWS`` rows along
-    its diagonal and, halving, the full rectangles below them."""
-    if rows.numel() <= _CAUSAL_LEAF_ROWS:
+def _causal_tiles(rows: Tensor, cols: Tensor, leaf: int | None) -> list[Block]:
+    """A causal square (row ``n`` sees columns ``<= n``) as causal squares of at most ``leaf`` rows along its diagonal
+    and, halving, the full rectangles below them (``None``: whole)."""
+    if leaf is None or rows.numel() <= leaf:
         return [Block(_as_index(rows), _as_index(cols), causal=True)]
     half = rows.numel() // 2
     below = Block(_as_index(rows[half:]), _as_index(cols[:half]))
-    return [*_causal_tiles(rows[:half], cols[:half]), below, *_causal_tiles(rows[half:], cols[half:])]
+    return [*_causal_tiles(rows[:half], cols[:half], leaf), below, *_causal_tiles(rows[half:], cols[half:], leaf)]
 
 
 def index_count(index: slice | Tensor) -> int:
