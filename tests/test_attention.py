@@ -89,13 +89,30 @@ def _spans(counts: list[int]) -> kernels._Spans:
     return kernels._Spans([stop - count for stop, count in zip(stops, counts, strict=True)], stops, counts)
 
 
+def _groups(q_counts: list[int], k_counts: list[int], device: str = "cpu", span: int = 512) -> list[list[int]]:
+    """``_document_groups`` of adjacent documents with these token counts, with ``device``'s costs."""
+    costs = kernels._device_costs(torch.device(device))
+    return kernels._document_groups(_spans(q_counts), _spans(k_counts), costs, span)
+
+
 def test_small_documents_share_a_masked_call_only_where_it_is_cheaper():
     # Four documents of 2 rows: one masked 8 x 8 call (900 + 1.3 * 64 pairs) beats four calls (4 * 504).
-    assert kernels._document_groups(_spans([2] * 4), _spans([2] * 4)) == [[0, 1, 2, 3]]
+    assert _groups([2] * 4, [2] * 4) == [[0, 1, 2, 3]]
     # Two of 32 rows: a masked 64 x 64 call (900 + 1.3 * 4096) costs more than two calls (2 * (500 + 1024)).
-    assert kernels._document_groups(_spans([32, 32]), _spans([32, 32])) == [[0], [1]]
+    assert _groups([32, 32], [32, 32]) == [[0], [1]]
     # A document with rows on one side only ends the run; one with rows on neither side does not.
-    assert kernels._document_groups(_spans([2, 2, 2, 0, 2]), _spans([2, 0, 2, 0, 2])) == [[0], [2, 4]]
+    assert _groups([2, 2, 2, 0, 2], [2, 0, 2, 0, 2]) == [[0], [2, 4]]
+    # The box stays within the span: eight documents of 2 rows, boxes of at most 6 rows.
+    assert _groups([2] * 8, [2] * 8, span=6) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+
+
+def test_on_a_gpu_a_call_costs_more_so_larger_runs_share_one():
+    # A call there costs 10**6 pairs: two documents of 300 rows share a masked 600 x 600 call (1.2e6 + 2.5 * 360000
+    # = 2.1e6 pairs) rather than two calls (2 * (1e6 + 90000) = 2.18e6), which the CPU never does.
+    assert _groups([300, 300], [300, 300], device="meta", span=4096) == [[0, 1]]
+    assert _groups([300, 300], [300, 300]) == [[0], [1]]
+    # 160 documents of 32 rows join up to the span: 128 of them (4096 rows) in one box, the other 32 in the next.
+    assert [len(group) for group in _groups([32] * 160, [32] * 160, device="meta", span=4096)] == [128, 32]
 
 
 @pytest.mark.parametrize(("cp", "call_pairs"), [(2, 0), (3, 10**9)])

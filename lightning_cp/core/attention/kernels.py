@@ -47,9 +47,34 @@ _FORWARD_TILES = 4
 # Causal tiles are cut into diagonal squares of at most this many rows and the full rectangles beside them: ATen's
 # CPU flash kernels skip masked keys only in 512-key blocks, so a larger causal tile costs almost its whole square.
 _CAUSAL_LEAF_ROWS = 64
-# On a GPU a kernel call's fixed cost (launches, the host's bookkeeping) is worth far more score pairs than on a CPU:
-# tiles there take at least this many rows, and causal squares stay whole (its kernels skip masked key blocks).
-_GPU_MIN_TILE_ROWS = 4096
+
+
+@dataclass(frozen=True)
+class _DeviceCosts:
+    """What a plan assumes of one device's kernels: a call's cost, forward + backward, in score pairs of a full tile
+    (``call_pairs``; a masked call ``masked_call_pairs``, each of its pairs ``masked_pair_cost`` times a full one);
+    the fewest rows a tile takes; the largest causal square left whole (``None``: every one)."""
+
+    call_pairs: float
+    masked_call_pairs: float
+    masked_pair_cost: float
+    min_tile_rows: int
+    causal_leaf_rows: int | None
+
+
+# On a GPU a call's fixed cost (kernel launches, the host's bookkeeping: about 100-200 us per tile forward + backward)
+# is worth about a million score pairs, the memory-efficient kernel with a mask takes 2-3x flash's time per pair, and
+# the kernels skip masked key blocks themselves: estimates for 32 heads x 128 in bf16, to be fitted on a GPU.
+_GPU_COSTS = _DeviceCosts(
+    call_pairs=1e6, masked_call_pairs=1.2e6, masked_pair_cost=2.5, min_tile_rows=4096, causal_leaf_rows=None
+)
+
+
+def _device_costs(device: torch.device) -> _DeviceCosts:
+    """The costs a plan for ``device`` assumes (the CPU's read from the module's constants when asked)."""
+    if device.type != "cpu":
+        return _GPU_COSTS
+    return _DeviceCosts(_CALL_PAIRS, _MASKED_CALL_PAIRS, _MASKED_PAIR_COST, _MIN_TILE_ROWS, _CAUSAL_LEAF_ROWS)
 
 
 @dataclass(frozen=True)
@@ -345,11 +370,10 @@ class BlockPlan:
 
 def tile_rows(local_rows: int, device: torch.device) -> int:
     """Rows per tile for a rank holding ``local_rows`` rows: 1/16 of them, so the backward's piece buffers and
-    per-call kernel outputs stay a fraction of the rank's own tensors, but at least 512 on a CPU (below 8192 rows per
-    rank fewer, larger calls are faster: fewer collectives, bigger kernel blocks; and the attention's memory is small)
-    and ``_GPU_MIN_TILE_ROWS`` elsewhere."""
-    least = _MIN_TILE_ROWS if device.type == "cpu" else _GPU_MIN_TILE_ROWS
-    return max(least, -(-local_rows // _TILES_PER_RANK))
+    per-call kernel outputs stay a fraction of the rank's own tensors, but at least the device's ``min_tile_rows``
+    (on a CPU 512: below 8192 rows per rank fewer, larger calls are faster, with fewer collectives and bigger kernel
+    blocks, and the attention's memory is small)."""
+    return max(_device_costs(device).min_tile_rows, -(-local_rows // _TILES_PER_RANK))
 
 
 def build_block_plan(
@@ -360,7 +384,8 @@ def build_block_plan(
     pieces of at most ``tile`` rows (default ``tile_rows``)."""
     half = tokens[rank].doc.shape[0] // 2
     tile = tile or tile_rows(2 * half, device)
-    leaf = _CAUSAL_LEAF_ROWS if device.type == "cpu" else None
+    costs = _device_costs(device)
+    leaf = costs.causal_leaf_rows
     documents = max((int(t.doc.max()) for t in tokens if t.doc.numel()), default=-1) + 1
     row_pieces = _key_pieces(tokens[rank], tile, mirrored=len(tokens) > 1)
     blocks, tiles, piece_tiles = [], [], []
@@ -369,7 +394,7 @@ def build_block_plan(
         quadrants: dict[object, dict[tuple[int, int], Block]] = {}  # per document (or group block): its quadrants
         for q_half, query in enumerate(halves(tokens[rank])):
             for k_half, key in enumerate(halves(source)):
-                for number, (doc, block) in enumerate(_document_blocks(query, key, causal, documents)):
+                for number, (doc, block) in enumerate(_document_blocks(query, key, causal, documents, costs, tile)):
                     shifted = _shifted(block, q_half * half, k_half * half)
                     source_blocks.append(shifted)
                     owner = (q_half, k_half, number) if doc is None else doc
@@ -485,13 +510,19 @@ def _spans(doc: Tensor, documents: int) -> _Spans:
 
 
 def _document_blocks(
-    query: tuple[Tensor, Tensor], key: tuple[Tensor, Tensor], causal: bool, documents: int
+    query: tuple[Tensor, Tensor],
+    key: tuple[Tensor, Tensor],
+    causal: bool,
+    documents: int,
+    costs: _DeviceCosts,
+    span: int,
 ) -> list[tuple[int | None, Block]]:
-    """Cut one half-by-half block into bounding boxes of document groups, dropping those without a visible pair;
-    each with its document when it spans exactly one document's rows and columns (else None)."""
+    """Cut one half-by-half block into bounding boxes of document groups (``_document_groups``), dropping those
+    without a visible pair; each with its document when it spans exactly one document's rows and columns (else
+    None)."""
     q_spans, k_spans = _spans(query[0], documents), _spans(key[0], documents)
     blocks = []
-    for group in _document_groups(q_spans, k_spans):
+    for group in _document_groups(q_spans, k_spans, costs, span):
         rows = slice(min(q_spans.start[d] for d in group), max(q_spans.stop[d] for d in group))
         cols = slice(min(k_spans.start[d] for d in group), max(k_spans.stop[d] for d in group))
         whole = rows.stop - rows.start == q_spans.count[group[0]] and cols.stop - cols.start == k_spans.count[group[0]]
@@ -504,9 +535,10 @@ def _document_blocks(
     return blocks
 
 
-def _document_groups(q_spans: _Spans, k_spans: _Spans) -> list[list[int]]:
+def _document_groups(q_spans: _Spans, k_spans: _Spans, costs: _DeviceCosts, span: int) -> list[list[int]]:
     """Documents on both sides, in order, alone or in runs of adjacent ones: a document joins the run before it when
-    one masked call over the joined bounding box costs less than the run's calls and one more of its own.
+    one masked call over the joined bounding box costs less than the run's calls and one more of its own (``costs``),
+    and the box stays within ``span`` rows and columns (a tile: it bounds the mask).
 
     A run never spans a document it leaves out, so its bounding box stays small.
     """
@@ -516,12 +548,12 @@ def _document_groups(q_spans: _Spans, k_spans: _Spans) -> list[list[int]]:
     for doc, (q_count, k_count) in enumerate(zip(q_spans.count, k_spans.count, strict=True)):
         if not q_count and not k_count:  # no rows on either side: nothing between the run and the next document
             continue
-        alone = _CALL_PAIRS + q_count * k_count
+        alone = costs.call_pairs + q_count * k_count
         if current and q_count and k_count:
             rows = q_spans.stop[doc] - q_spans.start[current[0]]
             cols = k_spans.stop[doc] - k_spans.start[current[0]]
-            joined = _MASKED_CALL_PAIRS + _MASKED_PAIR_COST * rows * cols
-            if joined <= cost + alone:
+            joined = costs.masked_call_pairs + costs.masked_pair_cost * rows * cols
+            if joined <= cost + alone and max(rows, cols) <= span:
                 current.append(doc)
                 cost = joined
                 continue
