@@ -3,8 +3,10 @@
 Those four ops have no CPU kernels, so this module registers plain-torch stand-ins for them on the CPU dispatch key.
 Each stand-in keeps the CUDA kernel's contract as torch states it (its outputs' shapes and dtypes are checked against
 the op's own meta kernel on every call: the memory-efficient kernel's log-sum-exp has its rows padded to a multiple of
-32) and refuses what the CUDA kernel refuses (flash: half precision only; strides; mask alignment). Through them,
-``zigzag_attention`` with ``backend="cuda_sdpa"`` must match the float64 single-device reference in both modes.
+32) and refuses what the CUDA kernel refuses (flash: half precision only; strides; mask alignment). torch's checks of
+which kernel can run (``can_use_flash_attention`` and ``can_use_efficient_attention``, false for every CPU tensor) get
+stand-ins that apply the CUDA kernels' dtype and head rules. Through them, ``zigzag_attention`` with
+``backend="cuda_sdpa"`` must match the float64 single-device reference in both modes.
 """
 
 from __future__ import annotations
@@ -135,6 +137,26 @@ def efficient_backward(
     return (*_backward(grad_out, q, k, v, out, lse, attn_bias, is_causal, scale), None)
 
 
+def can_use_flash(params, debug):
+    """Flash: float16/bfloat16, no mask, one K/V head per query head, a head dim that is a multiple of 8 up to 256."""
+    q, k = params.query, params.key
+    return (
+        q.dtype in (torch.float16, torch.bfloat16)
+        and params.attn_mask is None
+        and q.shape[1] == k.shape[1]
+        and q.shape[-1] % 8 == 0
+        and q.shape[-1] <= 256
+    )
+
+
+def can_use_efficient(params, debug):
+    """Memory-efficient: float16/bfloat16/float32, one K/V head per query head, a head dim that is a multiple of 8."""
+    q, k = params.query, params.key
+    return (
+        q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.shape[1] == k.shape[1] and q.shape[-1] % 8 == 0
+    )
+
+
 @pytest.fixture(scope="module", autouse=True)
 def cpu_standins():
     """Register the stand-ins for the module's tests (forked ranks inherit them)."""
@@ -143,7 +165,10 @@ def cpu_standins():
     library.impl("_scaled_dot_product_flash_attention_backward", flash_backward, "CPU")
     library.impl("_scaled_dot_product_efficient_attention", efficient_forward, "CPU")
     library.impl("_scaled_dot_product_efficient_attention_backward", efficient_backward, "CPU")
-    yield
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.backends.cuda, "can_use_flash_attention", can_use_flash)
+        patch.setattr(torch.backends.cuda, "can_use_efficient_attention", can_use_efficient)
+        yield
     library._destroy()
 
 
@@ -182,23 +207,26 @@ def test_cuda_sdpa_matches_the_single_device_reference(cp, cuda_sdpa_on_cpu):
     assert calls["efficient_masked"], "the packed cases must reach a masked tile"
 
 
-def test_the_kernel_routes_half_precision_unmasked_tiles_to_flash_and_the_rest_to_the_efficient_kernel():
+def test_each_tile_goes_to_the_first_kernel_torch_says_can_run_it():
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.bfloat16) for _ in range(3))
     mask = torch.ones(5, 5, dtype=torch.bool).tril()
     mask[3] = False  # a row without keys
-    for dtype, tile_mask, expected in (
-        (torch.bfloat16, None, "flash"),
-        (torch.bfloat16, mask, "efficient_masked"),
-        (torch.float32, None, "efficient"),
+    for dtype, dim, tile_mask, expected in (
+        (torch.bfloat16, 8, None, "flash"),
+        (torch.bfloat16, 8, mask, "efficient_masked"),
+        (torch.float32, 8, None, "efficient"),
+        (torch.float32, 6, mask, None),  # neither kernel takes a head dim of 6: plain torch
     ):
+        q, k, v = (torch.randn(1, 2, 5, dim, dtype=torch.float64) for _ in range(3))
         CALLS.clear()
         out, lse = kernels.CUDA_SDPA.forward(q.to(dtype), k.to(dtype), v.to(dtype), tile_mask, False, 0.5)
-        assert set(CALLS) == {expected}
-        assert lse.shape == (1, 2, 5)
-        if tile_mask is not None:  # the row without keys: zero output and -inf, as the kernel contract says
+        assert set(CALLS) == ({expected} if expected else set())
+        reference_out, reference_lse = kernels.math_forward(q, k, v, tile_mask, False, 0.5)
+        tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        assert torch.allclose(out.double(), reference_out, atol=tolerance) and lse.shape == (1, 2, 5)
+        assert torch.allclose(lse.double(), reference_lse, atol=tolerance)  # -inf where the row has no keys
+        if tile_mask is not None:  # that row: zero output and -inf, as the kernel contract says
             assert bool((out[:, :, 3] == 0).all()) and bool(torch.isneginf(lse[:, :, 3]).all())
-            assert bool(torch.isfinite(out).all())
 
 
 def test_a_document_mask_is_padded_to_the_kernels_alignment_without_copies_per_head():

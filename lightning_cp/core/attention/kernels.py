@@ -255,9 +255,13 @@ _LSE_ROW_ALIGNMENT = 32
 _BIAS_ALIGNMENT = 16
 
 
-def _takes_cuda_flash(q: Tensor, mask: Tensor | None) -> bool:
-    """Whether torch's CUDA flash kernel runs this tile: half precision, no mask, a head dim it supports."""
-    return mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+def _cuda_kernel_for(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, causal: bool) -> str:
+    """Which of torch's CUDA kernels takes this tile, by torch's own checks (dtype, head dim, strides, the GPU's
+    generation): ``"flash"`` (half precision without a mask), ``"efficient"``, or ``"math"`` where neither does."""
+    params = torch.backends.cuda.SDPAParams(q, k, v, bias, 0.0, causal, False)
+    if torch.backends.cuda.can_use_flash_attention(params, False):
+        return "flash"
+    return "efficient" if torch.backends.cuda.can_use_efficient_attention(params, False) else "math"
 
 
 def _aligned_bias(mask: Tensor | None, q: Tensor, cols: int) -> Tensor | None:
@@ -275,13 +279,16 @@ def cuda_sdpa_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
     """torch's own CUDA attention kernels, which return the log-sum-exp: flash for unmasked half-precision tiles, the
-    memory-efficient kernel (any mask, float32 too) for the others. Both need one K/V head per query head."""
-    if _takes_cuda_flash(q, mask):
+    memory-efficient kernel (any mask, float32 too) for the others, ``math_forward`` where neither runs. Both need
+    one K/V head per query head."""
+    bias = _aligned_bias(mask, q, k.shape[2])
+    kernel = _cuda_kernel_for(q, k, v, bias, causal)
+    if kernel == "flash":
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
         return out, lse
-    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, _aligned_bias(mask, q, k.shape[2]), True, 0.0, causal, scale=scale
-    )
+    if kernel == "math":
+        return math_forward(q, k, v, mask, causal, scale)
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal, scale=scale)
     return _cleared_empty_rows(out, lse[..., : q.shape[2]], mask)
 
 
@@ -298,9 +305,13 @@ def cuda_sdpa_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward of ``cuda_sdpa_forward`` for one tile given the merged ``out`` and ``lse`` (no dropout, so the random
     state the kernels take is never read)."""
+    bias = _aligned_bias(mask, q, k.shape[2])
+    kernel = _cuda_kernel_for(q, k, v, bias, causal)
+    if kernel == "math":
+        return math_backward(dout, q, k, v, out, lse, mask, causal, scale)
     dout, out = as_dtype(dout, q.dtype), as_dtype(out, q.dtype)
     rows, cols = q.shape[2], k.shape[2]
-    if _takes_cuda_flash(q, mask):
+    if kernel == "flash":
         seed, offset = (torch.zeros(shape, dtype=torch.uint64, device=q.device) for shape in ((2,), ()))
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse.contiguous(), None, None, rows, cols, 0.0, causal, seed, offset, scale=scale
@@ -310,9 +321,8 @@ def cuda_sdpa_backward(
     padded[..., :rows] = lse
     seed, offset = (torch.zeros((), dtype=torch.int64, device=q.device) for _ in range(2))
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, _aligned_bias(mask, q, cols), out, padded, seed, offset, 0.0, [True, True, True, False],
-        causal, scale=scale,
-    )  # fmt: skip
+        dout, q, k, v, bias, out, padded, seed, offset, 0.0, [True, True, True, False], causal, scale=scale
+    )
     return dq, dk, dv
 
 
