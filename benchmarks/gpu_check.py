@@ -86,6 +86,7 @@ class Settings:
     perf_heads: int
     perf_head_dim: int
     perf_cps: tuple[int, ...]
+    cost_rows: tuple[int, ...]
     warmup: int
     iters: int
     budget_s: float
@@ -111,7 +112,8 @@ def gpu_settings(budget_s: float) -> Settings:
         dry_run=False, device="cuda", dtype="bfloat16",
         exact_dense_tokens=2048, exact_batch=2, exact_packed_tokens=3000, exact_heads=(4, 2), exact_head_dim=128,
         exact_cps=(1, 2, 4, 8), group_size=4,
-        perf_tokens=(32768, 131072), perf_heads=32, perf_head_dim=128, perf_cps=(2, 4, 8), warmup=2, iters=3,
+        perf_tokens=(32768, 131072), perf_heads=32, perf_head_dim=128, perf_cps=(2, 4, 8),
+        cost_rows=(64, 256, 1024, 2048, 4096), warmup=2, iters=3,
         budget_s=budget_s, group_timeout_s=240.0, train_timeout_s=240.0,
         train_overrides=(
             *TRAIN_COMMON, "trainer.max_steps=5", "trainer.val_check_interval=5", "trainer.limit_val_batches=2",
@@ -125,7 +127,8 @@ def dry_run_settings(budget_s: float) -> Settings:
         dry_run=True, device="cpu", dtype="bfloat16",
         exact_dense_tokens=96, exact_batch=2, exact_packed_tokens=160, exact_heads=(4, 2), exact_head_dim=16,
         exact_cps=(1, 2, 4), group_size=4,
-        perf_tokens=(512, 1024), perf_heads=2, perf_head_dim=16, perf_cps=(2, 4), warmup=1, iters=2,
+        perf_tokens=(512, 1024), perf_heads=2, perf_head_dim=16, perf_cps=(2, 4), cost_rows=(8, 16, 32, 64),
+        warmup=1, iters=2,
         budget_s=budget_s, group_timeout_s=120.0, train_timeout_s=120.0,
         train_overrides=(
             *TRAIN_COMMON, "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
@@ -900,6 +903,7 @@ def measure_performance(settings: Settings, report: Report, budget: Budget) -> N
     """(b) Per-rank attention time (max over ranks) versus the whole sequence's time divided by cp."""
     probe = torch.zeros(2, 1, 1, 8, device=settings.device, dtype=settings.torch_dtype)
     kernel = attention._choose_kernel("auto", "allgather", probe)
+    measure_call_costs(settings, report, kernel if kernel in attention._KERNELS else "cuda_sdpa")  # cheap: first
     judged = not settings.dry_run
     report.text(
         "perf",
@@ -923,6 +927,59 @@ def measure_performance(settings: Settings, report: Report, budget: Budget) -> N
             workload = f"{'packed' if packed else 'dense'} {size}" + (f" ({len(lengths)} docs)" * packed)
             perf_workload(settings, report, budget, kernel, workload, lengths, packed)
     report.text("perf", "")
+
+
+def tile_seconds(settings: Settings, kernel_name: str, rows: int, masked: bool) -> float:
+    """Seconds per ``rows`` x ``rows`` tile, forward + backward, through the library's per-tile path (the kernel, the
+    log-sum-exp merge, the gradient adds); ``masked``: a mask of two documents, as grouped small documents get."""
+    heads, dim, device, dtype = settings.perf_heads, settings.perf_head_dim, settings.device, settings.torch_dtype
+    q, k, v, dout = (torch.randn(1, heads, rows, dim, device=device, dtype=dtype) for _ in range(4))
+    acc = kernels.accumulation_dtype(dtype)
+    out, lse = torch.zeros(q.shape, dtype=acc, device=device), torch.zeros(q.shape[:3], dtype=acc, device=device)
+    grads = tuple(torch.zeros(x.shape, dtype=acc, device=device) for x in (q, k, v))
+    second = torch.arange(rows, device=device) >= rows // 2
+    mask = second.unsqueeze(1) == second.unsqueeze(0) if masked else None
+    calls = max(2, min(50, (4096 // rows) ** 2 * 2))
+    blocks = [kernels.Block(slice(0, rows), slice(0, rows), mask)] * calls
+    kernel, scale = attention._KERNELS[kernel_name], 1.0 / math.sqrt(dim)
+
+    def step() -> None:
+        out.zero_()
+        lse.fill_(-math.inf)
+        kernels.forward_source(out, lse, q, k, v, blocks, kernel, scale)
+        kernels.backward_source(grads, (dout, q, out, kernels.finite_lse(lse)), k, v, blocks, kernel, scale)
+
+    return median_time(step, settings) / calls
+
+
+def measure_call_costs(settings: Settings, report: Report, kernel_name: str) -> None:
+    """What one tile call costs on this device, fitted as ``a + b * rows**2`` for full and masked tiles, in score
+    pairs of a full tile (``a / b``: what a plan's ``_document_groups`` and tile sizes assume), beside the costs a
+    plan for this device assumes."""
+    rows = settings.cost_rows
+    times = {masked: [tile_seconds(settings, kernel_name, n, masked) for n in rows] for masked in (False, True)}
+    fits = {masked: statistics.linear_regression([n * n for n in rows], times[masked]) for masked in (False, True)}
+    slope = fits[False].slope
+    fitted = (fits[False].intercept / slope, fits[True].intercept / slope, fits[True].slope / slope)
+    assumed = kernels._device_profile(torch.device(settings.device))
+    report.text(
+        "perf",
+        f"## What a tile call costs (`{kernel_name}`, forward + backward with the merge and gradient adds)",
+        "",
+        "| tile rows | full (ms per call) | masked (ms per call) |",
+        "| --- | --- | --- |",
+        *(f"| {n} | {1000 * t:.3f} | {1000 * m:.3f} |" for n, t, m in zip(rows, *times.values(), strict=True)),
+        "",
+        "| in score pairs of a full tile | fitted here | a plan assumes |",
+        "| --- | --- | --- |",
+        f"| a call (`call_pairs`) | {fitted[0]:.3g} | {assumed.call_pairs:.3g} |",
+        f"| a masked call (`masked_call_pairs`) | {fitted[1]:.3g} | {assumed.masked_call_pairs:.3g} |",
+        f"| a masked pair (`masked_pair_cost`) | {fitted[2]:.3g} | {assumed.masked_pair_cost:.3g} |",
+        "",
+    )  # fmt: skip
+    names = ("call", "masked call", "masked pair")
+    detail = ", ".join(f"{name} {value:.3g}" for name, value in zip(names, fitted, strict=True))
+    report.add("perf", f"tile call costs ({kernel_name})", "INFO", f"fitted in score pairs: {detail}")
 
 
 def perf_workload(

@@ -91,8 +91,8 @@ def _spans(counts: list[int]) -> kernels._Spans:
 
 def _groups(q_counts: list[int], k_counts: list[int], device: str = "cpu", span: int = 512) -> list[list[int]]:
     """``_document_groups`` of adjacent documents with these token counts, with ``device``'s costs."""
-    costs = kernels._device_costs(torch.device(device))
-    return kernels._document_groups(_spans(q_counts), _spans(k_counts), costs, span)
+    profile = kernels._device_profile(torch.device(device))
+    return kernels._document_groups(_spans(q_counts), _spans(k_counts), profile, span)
 
 
 def test_small_documents_share_a_masked_call_only_where_it_is_cheaper():

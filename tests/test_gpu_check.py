@@ -49,6 +49,7 @@ def test_dry_run_writes_the_report_and_every_exactness_check_passes(tmp_path: Pa
     train = [check for check in checks if check["section"] == "train"]
     assert [check["status"] for check in train] == ["PASS"], train
     assert {check["section"] for check in checks} == {"attention", "group", "perf", "train"}
+    assert any(check["name"] == "tile call costs (cpu_flash)" for check in checks), "the fitted tile costs"
     assert result.returncode == 0, report
 
 

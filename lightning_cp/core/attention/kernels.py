@@ -50,31 +50,37 @@ _CAUSAL_LEAF_ROWS = 64
 
 
 @dataclass(frozen=True)
-class _DeviceCosts:
+class _DeviceProfile:
     """What a plan assumes of one device's kernels: a call's cost, forward + backward, in score pairs of a full tile
     (``call_pairs``; a masked call ``masked_call_pairs``, each of its pairs ``masked_pair_cost`` times a full one);
-    the fewest rows a tile takes; the largest causal square left whole (``None``: every one)."""
+    the fewest rows a tile takes; how many tiles' rows a forward tile spans; the largest causal square left whole
+    (``None``: every one)."""
 
     call_pairs: float
     masked_call_pairs: float
     masked_pair_cost: float
     min_tile_rows: int
+    forward_tiles: int
     causal_leaf_rows: int | None
 
 
 # On a GPU a call's fixed cost (kernel launches, the host's bookkeeping: about 100-200 us per tile forward + backward)
 # is worth about a million score pairs, the memory-efficient kernel with a mask takes 2-3x flash's time per pair, and
-# the kernels skip masked key blocks themselves: estimates for 32 heads x 128 in bf16, to be fitted on a GPU.
-_GPU_COSTS = _DeviceCosts(
-    call_pairs=1e6, masked_call_pairs=1.2e6, masked_pair_cost=2.5, min_tile_rows=4096, causal_leaf_rows=None
-)
+# the kernels skip masked key blocks themselves: estimates for 32 heads x 128 in bf16, to be fitted on a GPU
+# (``benchmarks/gpu_check.py`` fits them). Forward tiles there stay a tile's rows, which bounds their outputs.
+_GPU_PROFILE = _DeviceProfile(
+    call_pairs=1e6, masked_call_pairs=1.2e6, masked_pair_cost=2.5, min_tile_rows=4096, forward_tiles=1,
+    causal_leaf_rows=None,
+)  # fmt: skip
 
 
-def _device_costs(device: torch.device) -> _DeviceCosts:
-    """The costs a plan for ``device`` assumes (the CPU's read from the module's constants when asked)."""
+def _device_profile(device: torch.device) -> _DeviceProfile:
+    """What a plan for ``device`` assumes (the CPU's read from the module's constants when asked)."""
     if device.type != "cpu":
-        return _GPU_COSTS
-    return _DeviceCosts(_CALL_PAIRS, _MASKED_CALL_PAIRS, _MASKED_PAIR_COST, _MIN_TILE_ROWS, _CAUSAL_LEAF_ROWS)
+        return _GPU_PROFILE
+    return _DeviceProfile(
+        _CALL_PAIRS, _MASKED_CALL_PAIRS, _MASKED_PAIR_COST, _MIN_TILE_ROWS, _FORWARD_TILES, _CAUSAL_LEAF_ROWS
+    )
 
 
 @dataclass(frozen=True)
@@ -383,7 +389,7 @@ def tile_rows(local_rows: int, device: torch.device) -> int:
     per-call kernel outputs stay a fraction of the rank's own tensors, but at least the device's ``min_tile_rows``
     (on a CPU 512: below 8192 rows per rank fewer, larger calls are faster, with fewer collectives and bigger kernel
     blocks, and the attention's memory is small)."""
-    return max(_device_costs(device).min_tile_rows, -(-local_rows // _TILES_PER_RANK))
+    return max(_device_profile(device).min_tile_rows, -(-local_rows // _TILES_PER_RANK))
 
 
 def build_block_plan(
@@ -394,8 +400,8 @@ def build_block_plan(
     pieces of at most ``tile`` rows (default ``tile_rows``)."""
     half = tokens[rank].doc.shape[0] // 2
     tile = tile or tile_rows(2 * half, device)
-    costs = _device_costs(device)
-    leaf = costs.causal_leaf_rows
+    profile = _device_profile(device)
+    leaf = profile.causal_leaf_rows
     documents = max((int(t.doc.max()) for t in tokens if t.doc.numel()), default=-1) + 1
     row_pieces = _key_pieces(tokens[rank], tile, mirrored=len(tokens) > 1)
     blocks, tiles, piece_tiles = [], [], []
@@ -404,13 +410,15 @@ def build_block_plan(
         quadrants: dict[object, dict[tuple[int, int], Block]] = {}  # per document (or group block): its quadrants
         for q_half, query in enumerate(halves(tokens[rank])):
             for k_half, key in enumerate(halves(source)):
-                for number, (doc, block) in enumerate(_document_blocks(query, key, causal, documents, costs, tile)):
+                for number, (doc, block) in enumerate(_document_blocks(query, key, causal, documents, profile, tile)):
                     shifted = _shifted(block, q_half * half, k_half * half)
                     source_blocks.append(shifted)
                     owner = (q_half, k_half, number) if doc is None else doc
                     quadrants.setdefault(owner, {})[q_half, k_half] = shifted
         col_pieces = _key_pieces(source, tile, mirrored=len(tokens) > 1)
-        forward = _tiled_forward(_joined(quadrants, lambda rows: True), tokens[rank].perm, source.perm, tile, leaf)
+        forward = _tiled_forward(
+            _joined(quadrants, lambda rows: True), tokens[rank].perm, source.perm, profile.forward_tiles * tile, leaf
+        )
         backward = _tiled_backward(
             _joined(quadrants, functools.partial(_in_one_piece, perm=tokens[rank].perm, pieces=row_pieces)),
             tokens[rank].perm,
@@ -524,7 +532,7 @@ def _document_blocks(
     key: tuple[Tensor, Tensor],
     causal: bool,
     documents: int,
-    costs: _DeviceCosts,
+    profile: _DeviceProfile,
     span: int,
 ) -> list[tuple[int | None, Block]]:
     """Cut one half-by-half block into bounding boxes of document groups (``_document_groups``), dropping those
@@ -532,7 +540,7 @@ def _document_blocks(
     None)."""
     q_spans, k_spans = _spans(query[0], documents), _spans(key[0], documents)
     blocks = []
-    for group in _document_groups(q_spans, k_spans, costs, span):
+    for group in _document_groups(q_spans, k_spans, profile, span):
         rows = slice(min(q_spans.start[d] for d in group), max(q_spans.stop[d] for d in group))
         cols = slice(min(k_spans.start[d] for d in group), max(k_spans.stop[d] for d in group))
         whole = rows.stop - rows.start == q_spans.count[group[0]] and cols.stop - cols.start == k_spans.count[group[0]]
@@ -545,9 +553,10 @@ def _document_blocks(
     return blocks
 
 
-def _document_groups(q_spans: _Spans, k_spans: _Spans, costs: _DeviceCosts, span: int) -> list[list[int]]:
+def _document_groups(q_spans: _Spans, k_spans: _Spans, profile: _DeviceProfile, span: int) -> list[list[int]]:
     """Documents on both sides, in order, alone or in runs of adjacent ones: a document joins the run before it when
-    one masked call over the joined bounding box costs less than the run's calls and one more of its own (``costs``),
+    one masked call over the joined bounding box costs less than the run's calls and one more of its own (by
+    ``profile``),
     and the box stays within ``span`` rows and columns (a tile: it bounds the mask).
 
     A run never spans a document it leaves out, so its bounding box stays small.
@@ -558,11 +567,11 @@ def _document_groups(q_spans: _Spans, k_spans: _Spans, costs: _DeviceCosts, span
     for doc, (q_count, k_count) in enumerate(zip(q_spans.count, k_spans.count, strict=True)):
         if not q_count and not k_count:  # no rows on either side: nothing between the run and the next document
             continue
-        alone = costs.call_pairs + q_count * k_count
+        alone = profile.call_pairs + q_count * k_count
         if current and q_count and k_count:
             rows = q_spans.stop[doc] - q_spans.start[current[0]]
             cols = k_spans.stop[doc] - k_spans.start[current[0]]
-            joined = costs.masked_call_pairs + costs.masked_pair_cost * rows * cols
+            joined = profile.masked_call_pairs + profile.masked_pair_cost * rows * cols
             if joined <= cost + alone and max(rows, cols) <= span:
                 current.append(doc)
                 cost = joined
@@ -672,15 +681,15 @@ def _on_device(block: Block, device: torch.device) -> Block:
 
 
 def _tiled_forward(
-    blocks: Sequence[Block], row_perm: Tensor | None, col_perm: Tensor | None, tile: int, leaf: int | None
+    blocks: Sequence[Block], row_perm: Tensor | None, col_perm: Tensor | None, forward_rows: int, leaf: int | None
 ) -> list[Block]:
-    """Cut one source's blocks into the forward's local-order tiles: rows in runs of at most ``_FORWARD_TILES *
-    tile`` (``_row_chunks``), columns whole except where a causal block's diagonal needs them cut (causal squares
-    into squares of at most ``leaf`` rows, if given)."""
+    """Cut one source's blocks into the forward's local-order tiles: rows in runs of at most ``forward_rows``
+    (``_row_chunks``), columns whole except where a causal block's diagonal needs them cut (causal squares into
+    squares of at most ``leaf`` rows, if given)."""
     forward: list[Block] = []
     for block in blocks:
         rows, cols = _local_rows(block.rows, row_perm), _local_rows(block.cols, col_perm)
-        for i in _row_chunks(rows.numel(), _FORWARD_TILES * tile):
+        for i in _row_chunks(rows.numel(), forward_rows):
             for j in _forward_columns(block, i, cols.numel()):
                 forward += _sub_block(block, rows, cols, i, j, leaf)
     return forward
