@@ -5,10 +5,11 @@ cuts the local-queries x source-keys product into blocks of whole documents and 
 document's blocks from the two halves where that makes fewer, larger kernel calls, then cuts those into tiles
 addressed in the ranks' *local* token order, so the attention runs on the caller's tensors without reordering
 copies. A backward tile spans at most ``tile_rows`` rows and columns (1/16 of a rank's rows by default), a forward
-tile four times the rows, which bounds every buffer the kernels allocate per call; the backward also takes keys one
-tile-sized piece at a time.
-``forward_source``/``backward_source`` run one source rank's blocks or tiles with a ``BlockKernel``, merging the
-forward by log-sum-exp and accumulating gradients in place.
+tile a few times the rows, which bounds every buffer the kernels allocate per call; the backward also takes keys one
+tile-sized piece at a time. How large tiles are, how causal squares are cut and when small documents share a masked
+call depend on what the device's kernels cost (``_DeviceProfile``: measured on a CPU, estimated for a GPU).
+``forward_source``/``backward_source`` run one source rank's blocks or tiles with a ``BlockKernel`` (``MATH``,
+``CPU_FLASH``, ``CUDA_SDPA``), merging the forward by log-sum-exp and accumulating gradients in place.
 
 Every kernel takes ``q`` ``[B, Hq, Sq, D]``, ``k``/``v`` ``[B, Hkv, Sk, D]`` (``Hq`` a multiple of ``Hkv``), a
 boolean ``mask`` ``[Sq, Sk]`` (``True``: the query sees the key; ``None``: it sees every key) and ``causal`` (a square
