@@ -238,8 +238,8 @@ def test_a_document_mask_is_padded_to_the_kernels_alignment_without_copies_per_h
 
 
 def test_plans_for_a_gpu_keep_causal_squares_whole_in_larger_tiles():
-    """On a GPU the plan takes tiles of at least ``_GPU_MIN_TILE_ROWS`` rows and leaves causal squares whole (the
-    meta device stands in for one: the plan's structure does not depend on the values)."""
+    """On a GPU the plan takes tiles of at least 4096 rows, forward tiles no larger, and leaves causal squares whole
+    (the meta device stands in for one: the plan's structure does not depend on the values)."""
     tokens = zigzag.ZigzagGeometry.dense(2, 8192).rank_tokens
     cpu = kernels.build_block_plan(tokens, 0, True, torch.device("cpu"))
     gpu = kernels.build_block_plan(tokens, 0, True, torch.device("meta"))
@@ -251,6 +251,11 @@ def test_plans_for_a_gpu_keep_causal_squares_whole_in_larger_tiles():
     assert largest_causal == {"cpu": kernels._CAUSAL_LEAF_ROWS, "gpu": 4096}
     assert len(gpu.pieces) == 1 and len(cpu.pieces) == 8  # 4096 rows: one GPU tile, 8 CPU tiles of 512
     assert sum(map(len, gpu.tiles)) < sum(map(len, cpu.tiles)) / 10
+    # 16384 rows a rank: the joined 16384-row diagonal in forward tiles of 4096 rows, each ending in a whole square.
+    longer = kernels.build_block_plan(zigzag.ZigzagGeometry.dense(2, 32768).rank_tokens, 0, True, torch.device("meta"))
+    forward = [tile for source in longer.tiles for tile in source]
+    assert max(kernels.index_count(tile.rows) for tile in forward) == 4096
+    assert sorted(kernels.index_count(tile.rows) for tile in forward if tile.causal) == [4096] * 4
 
 
 def test_cuda_sdpa_is_refused_off_cuda_with_a_clear_error():
