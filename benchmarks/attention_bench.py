@@ -288,7 +288,7 @@ def _shard_trial(workload: Workload, mode: str, track_memory: bool) -> dict[str,
         if workload.packed
         else zigzag.ZigzagGeometry.dense(cp, total)
     )
-    attention._block_plan(geometry, dist.get_rank(), True, torch.device("cpu"))
+    attention._block_plan(geometry, dist.get_rank(), True, torch.device("cpu"), kernels.plan_profile(kernels.CPU_FLASH))
     for case in (warm, workload):  # the last one counts
         local, params = _mode_inputs(case, heads, cp, 1)
         leaves = [x.clone().requires_grad_() for x in local]

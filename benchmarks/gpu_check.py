@@ -419,8 +419,8 @@ def rank_attention(
     with ``gathered`` prepared once (timing) their gradient is computed but not collected."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     if kernel != "flash_attn":
-        plan = attention._block_plan(geometry, rank, True, q.device)
         library_kernel = attention._KERNELS[kernel]
+        plan = attention._block_plan(geometry, rank, True, q.device, kernels.plan_profile(library_kernel))
         return attention.emulated_rank_attention(q, k, v, kv_all, sent, plan, scale=scale, kernel=library_kernel)
     perms = [rank_perm(geometry, src, q.device) for src in range(geometry.cp_size)]
     others = gathered if gathered is not None else gathered_kv(kv_all, geometry, packed)
@@ -888,7 +888,7 @@ def math_memory_problem(settings: Settings, geometry: ZigzagGeometry) -> str:
         return ""
     largest = 0
     for rank in range(geometry.cp_size):
-        plan = attention._block_plan(geometry, rank, True, torch.device(settings.device))
+        plan = attention._block_plan(geometry, rank, True, torch.device("cpu"), kernels.plan_profile(kernels.MATH))
         tiles = [t for source in plan.tiles for t in source]
         tiles += [t for source in plan.piece_tiles for piece in source for t in piece]
         largest = max([largest, *(kernels.index_count(t.rows) * kernels.index_count(t.cols) for t in tiles)])
@@ -961,7 +961,7 @@ def measure_call_costs(settings: Settings, report: Report, kernel_name: str) -> 
     fits = {masked: statistics.linear_regression([n * n for n in rows], times[masked]) for masked in (False, True)}
     slope = fits[False].slope
     fitted = (fits[False].intercept / slope, fits[True].intercept / slope, fits[True].slope / slope)
-    assumed = kernels._device_profile(torch.device(settings.device))
+    assumed = kernels.plan_profile(attention._KERNELS[kernel_name])
     report.text(
         "perf",
         f"## What a tile call costs (`{kernel_name}`, forward + backward with the merge and gradient adds)",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -89,9 +90,10 @@ def _spans(counts: list[int]) -> kernels._Spans:
     return kernels._Spans([stop - count for stop, count in zip(stops, counts, strict=True)], stops, counts)
 
 
-def _groups(q_counts: list[int], k_counts: list[int], device: str = "cpu", span: int = 512) -> list[list[int]]:
-    """``_document_groups`` of adjacent documents with these token counts, with ``device``'s costs."""
-    profile = kernels._device_profile(torch.device(device))
+def _groups(
+    q_counts: list[int], k_counts: list[int], profile: kernels.PlanProfile = kernels._CPU_PROFILE, span: int = 512
+) -> list[list[int]]:
+    """``_document_groups`` of adjacent documents with these token counts, with ``profile``'s costs."""
     return kernels._document_groups(_spans(q_counts), _spans(k_counts), profile, span)
 
 
@@ -109,10 +111,10 @@ def test_small_documents_share_a_masked_call_only_where_it_is_cheaper():
 def test_on_a_gpu_a_call_costs_more_so_larger_runs_share_one():
     # A call there costs 10**6 pairs: two documents of 300 rows share a masked 600 x 600 call (1.2e6 + 2.5 * 360000
     # = 2.1e6 pairs) rather than two calls (2 * (1e6 + 90000) = 2.18e6), which the CPU never does.
-    assert _groups([300, 300], [300, 300], device="meta", span=4096) == [[0, 1]]
+    assert _groups([300, 300], [300, 300], kernels._GPU_PROFILE, span=4096) == [[0, 1]]
     assert _groups([300, 300], [300, 300]) == [[0], [1]]
     # 160 documents of 32 rows join up to the span: 128 of them (4096 rows) in one box, the other 32 in the next.
-    assert [len(group) for group in _groups([32] * 160, [32] * 160, device="meta", span=4096)] == [128, 32]
+    assert [len(group) for group in _groups([32] * 160, [32] * 160, kernels._GPU_PROFILE, span=4096)] == [128, 32]
 
 
 @pytest.mark.parametrize(("cp", "call_pairs"), [(2, 0), (3, 10**9)])
@@ -123,10 +125,11 @@ def test_blocks_cut_into_document_groups_give_the_same_results(cp, call_pairs, m
     tokens = zigzag.ZigzagGeometry.packed(cp, lengths).rank_tokens
     counts = {}
     for pairs in (0, 10**9):
-        monkeypatch.setattr(kernels, "_CALL_PAIRS", pairs)
-        counts[pairs] = sum(map(len, kernels.build_block_plan(tokens, 0, False, torch.device("cpu")).blocks))
+        profile = dataclasses.replace(kernels._CPU_PROFILE, call_pairs=pairs)
+        plan = kernels.build_block_plan(tokens, 0, False, torch.device("cpu"), profile=profile)
+        counts[pairs] = sum(map(len, plan.blocks))
     assert counts[0] > counts[10**9]
-    monkeypatch.setattr(kernels, "_CALL_PAIRS", call_pairs)
+    monkeypatch.setattr(kernels, "_CPU_PROFILE", dataclasses.replace(kernels._CPU_PROFILE, call_pairs=call_pairs))
     attention._block_plan.cache_clear()  # plans cached by earlier tests were built with the default costs
     try:
         outcomes = run_on_ranks(check_all_cases, cp, all_cases(), timeout=240)

@@ -4,6 +4,7 @@ diagonals and document groups."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -24,9 +25,9 @@ TILES_PER_RANK = 8
 def small_tiles(monkeypatch):
     """Backward tiles of an eighth of a rank's rows however few there are, forward tiles of a quarter (plans built
     afresh, also in forked ranks)."""
-    monkeypatch.setattr(kernels, "_MIN_TILE_ROWS", 1)
+    small = dataclasses.replace(kernels._CPU_PROFILE, min_tile_rows=1, forward_tiles=2)
+    monkeypatch.setattr(kernels, "_CPU_PROFILE", small)
     monkeypatch.setattr(kernels, "_TILES_PER_RANK", TILES_PER_RANK)
-    monkeypatch.setattr(kernels, "_FORWARD_TILES", 2)
     attention._block_plan.cache_clear()
     yield
     attention._block_plan.cache_clear()
@@ -122,16 +123,17 @@ def test_a_documents_blocks_from_both_halves_join_into_one_forward_tile():
 
 def test_causal_tiles_cover_the_triangle_once_in_small_diagonal_squares():
     """A causal square of local rows 100..399 against columns 0..299: every visible pair in exactly one tile, causal
-    tiles only along the diagonal and at most ``_CAUSAL_LEAF_ROWS`` rows."""
+    tiles only along the diagonal and at most the CPU profile's ``causal_leaf_rows``."""
     size, shift = 300, 100
-    tiles = kernels._causal_tiles(torch.arange(shift, shift + size), torch.arange(size), kernels._CAUSAL_LEAF_ROWS)
+    leaf = kernels._CPU_PROFILE.causal_leaf_rows
+    tiles = kernels._causal_tiles(torch.arange(shift, shift + size), torch.arange(size), leaf)
     covered = torch.zeros(size, size, dtype=torch.int64)
     for tile in tiles:
         row, col = (torch.arange(index.start, index.stop) for index in (tile.rows, tile.cols))
         row = row - shift
         assert tile.mask is None
         if tile.causal:
-            assert row.numel() <= kernels._CAUSAL_LEAF_ROWS and torch.equal(row, col)
+            assert row.numel() <= leaf and torch.equal(row, col)
         else:
             assert int(col.max()) < int(row.min()), "a full tile lies below the diagonal"
         seen = torch.ones(row.numel(), col.numel(), dtype=torch.int64)

@@ -11,6 +11,7 @@ stand-ins that apply the CUDA kernels' dtype and head rules. Through them, ``zig
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 
@@ -131,6 +132,8 @@ def efficient_backward(
     CALLS["efficient_backward"] += 1
     assert grad_out.dtype == out.dtype == q.dtype and list(grad_input_mask) == [True, True, True, False]
     assert logsumexp.shape == (*q.shape[:2], -(-q.shape[2] // _LSE_ROWS) * _LSE_ROWS), "lse rows padded to 32"
+    rows_apart = out.shape[2] == 1 or out.stride(2) == out.shape[1] * out.shape[3]
+    assert rows_apart, "the kernel reads out's rows as H * D elements apart"
     _check_inputs(grad_out, q, k, v, out)
     _check_bias(attn_bias, q, k)
     lse = logsumexp[..., : q.shape[2]]
@@ -138,15 +141,11 @@ def efficient_backward(
 
 
 def can_use_flash(params, debug):
-    """Flash: float16/bfloat16, no mask, one K/V head per query head, a head dim that is a multiple of 8 up to 256."""
+    """torch's rule: float16/bfloat16, no mask, one K/V head per query head, a head dim up to 256 (any multiple: the
+    front end pads it, the op itself then refuses one that is not a multiple of 8)."""
     q, k = params.query, params.key
-    return (
-        q.dtype in (torch.float16, torch.bfloat16)
-        and params.attn_mask is None
-        and q.shape[1] == k.shape[1]
-        and q.shape[-1] % 8 == 0
-        and q.shape[-1] <= 256
-    )
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    return half and params.attn_mask is None and q.shape[1] == k.shape[1] and q.shape[-1] <= 256
 
 
 def can_use_efficient(params, debug):
@@ -197,8 +196,13 @@ def _check_cases_counting_calls(cases: list[Case]) -> tuple[list[str], Counter[s
     return failures, Counter(CALLS)
 
 
+@pytest.mark.parametrize("small_tiles", [False, True])
 @pytest.mark.parametrize("cp", [1, 2, 4])
-def test_cuda_sdpa_matches_the_single_device_reference(cp, cuda_sdpa_on_cpu):
+def test_cuda_sdpa_matches_the_single_device_reference(cp, small_tiles, cuda_sdpa_on_cpu, monkeypatch):
+    """Through GPU plans: whole tiles at these sizes, or (``small_tiles``) tiles of 2 rows and up, so causal squares,
+    forward tiles, key pieces and grouped documents' boxes are cut as a GPU plan cuts them at scale."""
+    if small_tiles:
+        monkeypatch.setattr(kernels, "_GPU_PROFILE", dataclasses.replace(kernels._GPU_PROFILE, min_tile_rows=2))
     outcomes = run_on_ranks(_check_cases_counting_calls, cp, _cases(), timeout=240)
     failures = [failure for rank_failures, _ in outcomes for failure in rank_failures]
     assert not failures, "\n".join(failures)
@@ -216,6 +220,7 @@ def test_each_tile_goes_to_the_first_kernel_torch_says_can_run_it():
         (torch.bfloat16, 8, mask, "efficient_masked"),
         (torch.float32, 8, None, "efficient"),
         (torch.float32, 6, mask, None),  # neither kernel takes a head dim of 6: plain torch
+        (torch.bfloat16, 12, None, None),  # nor of 12 (torch's flash check would let it through to the op)
     ):
         q, k, v = (torch.randn(1, 2, 5, dim, dtype=torch.float64) for _ in range(3))
         CALLS.clear()
@@ -237,22 +242,24 @@ def test_a_document_mask_is_padded_to_the_kernels_alignment_without_copies_per_h
     assert torch.equal(torch.isneginf(bias[0, 0]), ~mask) and bool((bias[1, 2][mask] == 0).all())
 
 
-def test_plans_for_a_gpu_keep_causal_squares_whole_in_larger_tiles():
-    """On a GPU the plan takes tiles of at least 4096 rows, forward tiles no larger, and leaves causal squares whole
-    (the meta device stands in for one: the plan's structure does not depend on the values)."""
-    tokens = zigzag.ZigzagGeometry.dense(2, 8192).rank_tokens
-    cpu = kernels.build_block_plan(tokens, 0, True, torch.device("cpu"))
-    gpu = kernels.build_block_plan(tokens, 0, True, torch.device("meta"))
+def test_plans_for_cuda_sdpa_keep_causal_squares_whole_in_larger_tiles():
+    """A plan for ``cuda_sdpa`` takes tiles of at least 4096 rows, forward tiles no larger, and leaves causal squares
+    whole."""
+    tokens, cpu_device = zigzag.ZigzagGeometry.dense(2, 8192).rank_tokens, torch.device("cpu")
+    gpu_profile = kernels.plan_profile(kernels.CUDA_SDPA)
+    cpu = kernels.build_block_plan(tokens, 0, True, cpu_device)
+    gpu = kernels.build_block_plan(tokens, 0, True, cpu_device, profile=gpu_profile)
     largest_causal = {
         name: max(kernels.index_count(tile.rows) for source in plan.tiles for tile in source if tile.causal)
         for name, plan in (("cpu", cpu), ("gpu", gpu))
     }
     # A rank's two 2048-row chunks of the one document join into one causal square of 4096 rows.
-    assert largest_causal == {"cpu": kernels._CAUSAL_LEAF_ROWS, "gpu": 4096}
+    assert largest_causal == {"cpu": kernels._CPU_PROFILE.causal_leaf_rows, "gpu": 4096}
     assert len(gpu.pieces) == 1 and len(cpu.pieces) == 8  # 4096 rows: one GPU tile, 8 CPU tiles of 512
     assert sum(map(len, gpu.tiles)) < sum(map(len, cpu.tiles)) / 10
     # 16384 rows a rank: the joined 16384-row diagonal in forward tiles of 4096 rows, each ending in a whole square.
-    longer = kernels.build_block_plan(zigzag.ZigzagGeometry.dense(2, 32768).rank_tokens, 0, True, torch.device("meta"))
+    longer_tokens = zigzag.ZigzagGeometry.dense(2, 32768).rank_tokens
+    longer = kernels.build_block_plan(longer_tokens, 0, True, cpu_device, profile=gpu_profile)
     forward = [tile for source in longer.tiles for tile in source]
     assert max(kernels.index_count(tile.rows) for tile in forward) == 4096
     assert sorted(kernels.index_count(tile.rows) for tile in forward if tile.causal) == [4096] * 4
@@ -260,5 +267,5 @@ def test_plans_for_a_gpu_keep_causal_squares_whole_in_larger_tiles():
 
 def test_cuda_sdpa_is_refused_off_cuda_with_a_clear_error():
     q = torch.zeros(4, 1, 2, 8)
-    with pytest.raises(ValueError, match=r"backend='cuda_sdpa' with torch.float32 tensors on cpu; expected CUDA"):
+    with pytest.raises(ValueError, match=r"backend='cuda_sdpa' with torch.float32 tensors of head dim 8 on cpu; exp"):
         attention.zigzag_attention(q, q, q, None, backend="cuda_sdpa")

@@ -33,6 +33,7 @@ from lightning_cp.core.attention.kernels import (
     MATH,
     BlockKernel,
     BlockPlan,
+    PlanProfile,
     accumulation_dtype,
     add_rows,
     all_finite,
@@ -43,6 +44,7 @@ from lightning_cp.core.attention.kernels import (
     forward_source,
     halves,
     index_count,
+    plan_profile,
     set_rows,
     take_rows,
 )
@@ -247,22 +249,25 @@ def attend_on_shards(
                                    kernel_name=kernel_name)  # fmt: skip
         return attend(q, k, v) if cp_group is None else head_parallel(q, k, v, cp_group, mode, attend)
     if mode == AttentionMode.HYBRID.value:
-        plan = _block_plan(geometry, ring_group.rank(), causal, q.device)
+        kernel = _KERNELS[kernel_name]
+        plan = _block_plan(geometry, ring_group.rank(), causal, q.device, plan_profile(kernel))
         attend = functools.partial(context_parallel_attention, cp_group=ring_group, plan=plan, scale=scale,
-                                   mode="ring", kernel=_KERNELS[kernel_name])  # fmt: skip
+                                   mode="ring", kernel=kernel)  # fmt: skip
         return head_parallel(q, k, v, ulysses_group, mode, attend)
     rank = 0 if cp_group is None else comm.group_rank(cp_group)
     if kernel_name == "flash_attn":
         return _flash_attention(q, k, v, cp_group, geometry.rank_tokens, rank, packed, causal, scale)
-    plan = _block_plan(geometry, rank, causal, q.device)
-    return context_parallel_attention(q, k, v, cp_group, plan, scale=scale, mode=mode, kernel=_KERNELS[kernel_name])
+    kernel = _KERNELS[kernel_name]
+    plan = _block_plan(geometry, rank, causal, q.device, plan_profile(kernel))
+    return context_parallel_attention(q, k, v, cp_group, plan, scale=scale, mode=mode, kernel=kernel)
 
 
 def _attend_whole_sequence(
     q: Tensor, k: Tensor, v: Tensor, *, tokens: RankTokens, packed: bool, causal: bool, scale: float, kernel_name: str
 ) -> Tensor:
     """One-rank attention over a whole gathered sequence that ``tokens`` describe in gathered order."""
-    plan, natural, to_natural, from_natural = natural_order_plan(tokens, causal, q.device)
+    profile = plan_profile(_KERNELS.get(kernel_name, MATH))  # flash-attn takes no block plan
+    plan, natural, to_natural, from_natural = natural_order_plan(tokens, causal, q.device, profile)
     if to_natural is not None:
         q, k, v = (x.index_select(0, to_natural) for x in (q, k, v))
     if kernel_name == "flash_attn":
@@ -294,9 +299,12 @@ def _check_local_token_count(
 
 
 @functools.lru_cache(maxsize=16)
-def _block_plan(geometry: ZigzagGeometry, rank: int, causal: bool, device: torch.device) -> BlockPlan:
-    """This rank's block plan on ``device``, built once per batch (shared by every layer and the backward)."""
-    return build_block_plan(geometry.rank_tokens, rank, causal, device)
+def _block_plan(
+    geometry: ZigzagGeometry, rank: int, causal: bool, device: torch.device, profile: PlanProfile
+) -> BlockPlan:
+    """This rank's block plan on ``device`` for kernels of ``profile``, built once per batch (shared by every layer
+    and the backward)."""
+    return build_block_plan(geometry.rank_tokens, rank, causal, device, profile=profile)
 
 
 def context_parallel_attention(
@@ -750,7 +758,7 @@ def _choose_kernel(backend: str, mode: str, q: Tensor) -> str:
     """Resolve ``backend`` to a kernel name, rejecting choices this input cannot use."""
     flash_ok = flash_attn_varlen_func() is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
     flash_modes = (AttentionMode.ALLGATHER.value, AttentionMode.ULYSSES.value)
-    sdpa_ok = q.is_cuda and q.dtype in _CUDA_SDPA_DTYPES
+    sdpa_ok = q.is_cuda and q.dtype in _CUDA_SDPA_DTYPES and q.shape[-1] % 8 == 0
     if backend == "auto":
         if flash_ok and mode in flash_modes:
             return "flash_attn"
@@ -766,7 +774,8 @@ def _choose_kernel(backend: str, mode: str, q: Tensor) -> str:
         raise ValueError(f"backend='cpu_flash' with tensors on {q.device}; expected CPU tensors")
     if backend == "cuda_sdpa" and not sdpa_ok:
         raise ValueError(
-            f"backend='cuda_sdpa' with {q.dtype} tensors on {q.device}; expected CUDA float16, bfloat16 or float32"
+            f"backend='cuda_sdpa' with {q.dtype} tensors of head dim {q.shape[-1]} on {q.device}; expected CUDA "
+            "float16, bfloat16 or float32 and a head dim divisible by 8"
         )
     return backend
 

@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_cp.core import comm
-from lightning_cp.core.attention.kernels import BlockPlan, build_block_plan
+from lightning_cp.core.attention.kernels import BlockPlan, PlanProfile, build_block_plan
 from lightning_cp.core.zigzag import RankTokens
 
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -86,9 +86,10 @@ def head_parallel(q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup, mode: st
 
 @functools.lru_cache(maxsize=2)
 def natural_order_plan(
-    tokens: RankTokens, causal: bool, device: torch.device
+    tokens: RankTokens, causal: bool, device: torch.device, profile: PlanProfile
 ) -> tuple[BlockPlan, RankTokens, Tensor | None, Tensor | None]:
-    """Block plan of a whole gathered sequence put in natural order (documents in order, padding last).
+    """Block plan (cut as ``profile`` says) of a whole gathered sequence put in natural order (documents in order,
+    padding last).
 
     Returns the one-rank plan, the tokens in natural order, the gathered-to-natural permutation and its inverse
     (``None`` when already natural).
@@ -101,4 +102,4 @@ def natural_order_plan(
     else:
         natural = RankTokens(doc[order], pos[order], None)
         to_natural, from_natural = order.to(device), torch.argsort(order).to(device)
-    return build_block_plan([natural], 0, causal, device), natural, to_natural, from_natural
+    return build_block_plan([natural], 0, causal, device, profile=profile), natural, to_natural, from_natural

@@ -7,7 +7,7 @@ addressed in the ranks' *local* token order, so the attention runs on the caller
 copies. A backward tile spans at most ``tile_rows`` rows and columns (1/16 of a rank's rows by default), a forward
 tile a few times the rows, which bounds every buffer the kernels allocate per call; the backward also takes keys one
 tile-sized piece at a time. How large tiles are, how causal squares are cut and when small documents share a masked
-call depend on what the device's kernels cost (``_DeviceProfile``: measured on a CPU, estimated for a GPU).
+call depend on what the kernels cost (``PlanProfile``: measured for the CPU's, estimated for a GPU's).
 ``forward_source``/``backward_source`` run one source rank's blocks or tiles with a ``BlockKernel`` (``MATH``,
 ``CPU_FLASH``, ``CUDA_SDPA``), merging the forward by log-sum-exp and accumulating gradients in place.
 
@@ -34,28 +34,15 @@ from torch import Tensor
 from lightning_cp.core.zigzag import RankTokens
 
 _NEG_INF = -math.inf
-# What one CPU flash call costs, forward + backward, in score pairs of a full tile (fitted on 8 x 8 to 32 x 32 tiles,
-# 8 heads x 64 dims, one thread): a call about 500 pairs, a masked call about 900 and its pairs 1.3x. Small documents
-# share one masked call only where that is cheaper than a call each (``_document_groups``).
-_CALL_PAIRS = 500
-_MASKED_CALL_PAIRS = 900
-_MASKED_PAIR_COST = 1.3
 _TILES_PER_RANK = 16
-_MIN_TILE_ROWS = 512
-# Forward tiles span this many rows of backward tiles: the forward holds no gradients, and ATen's CPU flash kernel
-# uses its larger query blocks from 768 rows on.
-_FORWARD_TILES = 4
-# Causal tiles are cut into diagonal squares of at most this many rows and the full rectangles beside them: ATen's
-# CPU flash kernels skip masked keys only in 512-key blocks, so a larger causal tile costs almost its whole square.
-_CAUSAL_LEAF_ROWS = 64
 
 
 @dataclass(frozen=True)
-class _DeviceProfile:
-    """What a plan assumes of one device's kernels: a call's cost, forward + backward, in score pairs of a full tile
-    (``call_pairs``; a masked call ``masked_call_pairs``, each of its pairs ``masked_pair_cost`` times a full one);
-    the fewest rows a tile takes; how many tiles' rows a forward tile spans; the largest causal square left whole
-    (``None``: every one)."""
+class PlanProfile:
+    """What a block plan assumes of the kernels that run it: a call's cost, forward + backward, in score pairs of a
+    full tile (``call_pairs``; a masked call ``masked_call_pairs``, each of its pairs ``masked_pair_cost`` times a full
+    one), which decides when small documents share a masked call (``_document_groups``); the fewest rows a tile takes;
+    how many tiles' rows a forward tile spans; the largest causal square left whole (``None``: every one)."""
 
     call_pairs: float
     masked_call_pairs: float
@@ -65,23 +52,26 @@ class _DeviceProfile:
     causal_leaf_rows: int | None
 
 
-# On a GPU a call's fixed cost (kernel launches, the host's bookkeeping: about 100-200 us per tile forward + backward)
-# is worth about a million score pairs, the memory-efficient kernel with a mask takes 2-3x flash's time per pair, and
-# the kernels skip masked key blocks themselves: estimates for 32 heads x 128 in bf16, to be fitted on a GPU
-# (``benchmarks/gpu_check.py`` fits them). Forward tiles there stay a tile's rows, which bounds their outputs.
-_GPU_PROFILE = _DeviceProfile(
+# ATen's CPU flash kernel, fitted on 8 x 8 to 32 x 32 tiles (8 heads x 64 dims, one thread): a call costs about 500
+# pairs, a masked call about 900 and its pairs 1.3x. Tiles take at least 512 rows: below 8192 rows per rank fewer,
+# larger calls are faster (fewer collectives, bigger kernel blocks) and the attention's memory is small. Forward tiles
+# span four tiles' rows: the forward holds no gradients, and the kernel uses its larger query blocks from 768 rows on.
+# Causal squares are cut into squares of at most 64 rows and the full rectangles beside them: the kernel skips masked
+# keys only in 512-key blocks, so a larger causal tile costs almost its whole square. The math kernel plans the same
+# way, which also bounds the score buffers it makes per call.
+_CPU_PROFILE = PlanProfile(
+    call_pairs=500, masked_call_pairs=900, masked_pair_cost=1.3, min_tile_rows=512, forward_tiles=4,
+    causal_leaf_rows=64,
+)  # fmt: skip
+# torch's CUDA kernels (estimates for 32 heads x 128 in bf16; ``benchmarks/gpu_check.py`` fits them on a GPU): a call's
+# fixed cost (kernel launches, the host's bookkeeping: about 100-200 us per tile forward + backward) is worth about a
+# million score pairs, and the memory-efficient kernel with a mask takes 2-3x flash's time per pair. Tiles take at
+# least 4096 rows, forward tiles no more (which bounds their outputs), and causal squares stay whole: flash skips the
+# masked key blocks of a causal square itself.
+_GPU_PROFILE = PlanProfile(
     call_pairs=1e6, masked_call_pairs=1.2e6, masked_pair_cost=2.5, min_tile_rows=4096, forward_tiles=1,
     causal_leaf_rows=None,
 )  # fmt: skip
-
-
-def _device_profile(device: torch.device) -> _DeviceProfile:
-    """What a plan for ``device`` assumes (the CPU's read from the module's constants when asked)."""
-    if device.type != "cpu":
-        return _GPU_PROFILE
-    return _DeviceProfile(
-        _CALL_PAIRS, _MASKED_CALL_PAIRS, _MASKED_PAIR_COST, _MIN_TILE_ROWS, _FORWARD_TILES, _CAUSAL_LEAF_ROWS
-    )
 
 
 @dataclass(frozen=True)
@@ -93,6 +83,7 @@ class BlockKernel:
     ``needs_finite_inputs``: the forward may return wrong finite values for NaN or infinite inputs, so
     ``forward_source`` turns every output row NaN when q or a source's k or v holds one (checked on the device: q once
     per call, each source's k and v once, never per block).
+    ``tiling``: the ``PlanProfile`` its plans assume (``plan_profile``): ``"cpu"`` or ``"gpu"``.
     """
 
     name: str
@@ -100,6 +91,12 @@ class BlockKernel:
     backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
     shares_kv_heads: bool = True
     needs_finite_inputs: bool = False
+    tiling: str = "cpu"
+
+
+def plan_profile(kernel: BlockKernel) -> PlanProfile:
+    """The profile plans for ``kernel`` assume (looked up when asked)."""
+    return _GPU_PROFILE if kernel.tiling == "gpu" else _CPU_PROFILE
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -256,24 +253,33 @@ def cpu_flash_backward(
     return dq, _grouped(dk, kv_heads).sum(2), _grouped(dv, kv_heads).sum(2)
 
 
-# The memory-efficient CUDA kernel returns its log-sum-exp with the rows padded to a multiple of this, and wants its
-# additive mask's rows to start at multiples of ``_BIAS_ALIGNMENT`` elements.
+# The memory-efficient CUDA kernel returns its log-sum-exp with the rows padded to a multiple of this, and wants the
+# row stride of its additive mask a multiple of ``_BIAS_ALIGNMENT`` elements.
 _LSE_ROW_ALIGNMENT = 32
 _BIAS_ALIGNMENT = 16
 
 
 def _cuda_kernel_for(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, causal: bool) -> str:
     """Which of torch's CUDA kernels takes this tile, by torch's own checks (dtype, head dim, strides, the GPU's
-    generation): ``"flash"`` (half precision without a mask), ``"efficient"``, or ``"math"`` where neither does."""
+    generation): ``"flash"`` (half precision without a mask; the op itself, unlike ``F.scaled_dot_product_attention``,
+    does not pad the head dim to a multiple of 8), ``"efficient"``, or ``"math"`` where neither does."""
     params = torch.backends.cuda.SDPAParams(q, k, v, bias, 0.0, causal, False)
-    if torch.backends.cuda.can_use_flash_attention(params, False):
+    if bias is None and q.shape[-1] % 8 == 0 and torch.backends.cuda.can_use_flash_attention(params, False):
         return "flash"
     return "efficient" if torch.backends.cuda.can_use_efficient_attention(params, False) else "math"
 
 
+@functools.cache
+def _unused_random_state(device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The random state the CUDA backwards take (flash's pair, the memory-efficient kernel's pair), read only with
+    dropout, which these tiles never use: zeros of the dtypes and shapes the forwards return, made once per device."""
+    flash = (torch.zeros(2, dtype=torch.uint64, device=device), torch.zeros((), dtype=torch.uint64, device=device))
+    return (*flash, *(torch.zeros((), dtype=torch.int64, device=device) for _ in range(2)))
+
+
 def _aligned_bias(mask: Tensor | None, q: Tensor, cols: int) -> Tensor | None:
-    """The additive mask ``[B, H, Sq, Sk]`` for the memory-efficient kernel: rows padded to its alignment, then
-    sliced back, and broadcast over batch and heads without a copy."""
+    """The additive mask ``[B, H, Sq, Sk]`` for the memory-efficient kernel: its row stride padded to the kernel's
+    alignment, and broadcast over batch and heads without a copy."""
     if mask is None:
         return None
     padded = -(-cols // _BIAS_ALIGNMENT) * _BIAS_ALIGNMENT
@@ -286,8 +292,8 @@ def cuda_sdpa_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
     """torch's own CUDA attention kernels, which return the log-sum-exp: flash for unmasked half-precision tiles, the
-    memory-efficient kernel (any mask, float32 too) for the others, ``math_forward`` where neither runs. Both need
-    one K/V head per query head."""
+    memory-efficient kernel (any mask, float32 too) for the others, ``math_forward`` where neither runs. Given one
+    K/V head per query head (``CUDA_SDPA`` repeats them once per source)."""
     bias = _aligned_bias(mask, q, k.shape[2])
     kernel = _cuda_kernel_for(q, k, v, bias, causal)
     if kernel == "flash":
@@ -310,23 +316,25 @@ def cuda_sdpa_backward(
     causal: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward of ``cuda_sdpa_forward`` for one tile given the merged ``out`` and ``lse`` (no dropout, so the random
-    state the kernels take is never read)."""
+    """Backward of ``cuda_sdpa_forward`` for one tile given the merged ``out`` and ``lse``."""
     bias = _aligned_bias(mask, q, k.shape[2])
     kernel = _cuda_kernel_for(q, k, v, bias, causal)
     if kernel == "math":
         return math_backward(dout, q, k, v, out, lse, mask, causal, scale)
     dout, out = as_dtype(dout, q.dtype), as_dtype(out, q.dtype)
     rows, cols = q.shape[2], k.shape[2]
+    flash_seed, flash_offset, seed, offset = _unused_random_state(q.device)
     if kernel == "flash":
-        seed, offset = (torch.zeros(shape, dtype=torch.uint64, device=q.device) for shape in ((2,), ()))
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse.contiguous(), None, None, rows, cols, 0.0, causal, seed, offset, scale=scale
-        )
+            dout, q, k, v, out, lse.contiguous(), None, None, rows, cols, 0.0, causal, flash_seed, flash_offset,
+            scale=scale,
+        )  # fmt: skip
         return dq, dk, dv
     padded = lse.new_zeros((*lse.shape[:2], -(-rows // _LSE_ROW_ALIGNMENT) * _LSE_ROW_ALIGNMENT))
     padded[..., :rows] = lse
-    seed, offset = (torch.zeros((), dtype=torch.int64, device=q.device) for _ in range(2))
+    # The kernel reads ``out`` as if its rows were ``H * D`` elements apart (a ``[B, S, H, D]`` layout), whatever its
+    # strides: a gathered tile is ``[B, H, S, D]``-contiguous, so it gets that layout first.
+    out = out.transpose(1, 2).contiguous().transpose(1, 2)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         dout, q, k, v, bias, out, padded, seed, offset, 0.0, [True, True, True, False], causal, scale=scale
     )
@@ -338,7 +346,7 @@ CPU_FLASH = BlockKernel(
     "cpu_flash", cpu_flash_forward, cpu_flash_backward, shares_kv_heads=False, needs_finite_inputs=True
 )
 CUDA_SDPA = BlockKernel(
-    "cuda_sdpa", cuda_sdpa_forward, cuda_sdpa_backward, shares_kv_heads=False, needs_finite_inputs=True
+    "cuda_sdpa", cuda_sdpa_forward, cuda_sdpa_backward, shares_kv_heads=False, needs_finite_inputs=True, tiling="gpu"
 )
 
 
@@ -385,23 +393,26 @@ class BlockPlan:
     piece_tiles: tuple[tuple[tuple[Block, ...], ...], ...]
 
 
-def tile_rows(local_rows: int, device: torch.device) -> int:
+def tile_rows(local_rows: int, profile: PlanProfile) -> int:
     """Rows per tile for a rank holding ``local_rows`` rows: 1/16 of them, so the backward's piece buffers and
-    per-call kernel outputs stay a fraction of the rank's own tensors, but at least the device's ``min_tile_rows``
-    (on a CPU 512: below 8192 rows per rank fewer, larger calls are faster, with fewer collectives and bigger kernel
-    blocks, and the attention's memory is small)."""
-    return max(_device_profile(device).min_tile_rows, -(-local_rows // _TILES_PER_RANK))
+    per-call kernel outputs stay a fraction of the rank's own tensors, but at least the profile's ``min_tile_rows``."""
+    return max(profile.min_tile_rows, -(-local_rows // _TILES_PER_RANK))
 
 
 def build_block_plan(
-    tokens: Sequence[RankTokens], rank: int, causal: bool, device: torch.device, tile: int | None = None
+    tokens: Sequence[RankTokens],
+    rank: int,
+    causal: bool,
+    device: torch.device,
+    tile: int | None = None,
+    profile: PlanProfile | None = None,
 ) -> BlockPlan:
     """Find, per source rank and (query half, key half), the document-group sub-blocks with a visible pair, join each
     document's across the halves (``_joined``) and cut them into tiles in local order, the backward's within key
-    pieces of at most ``tile`` rows (default ``tile_rows``)."""
+    pieces of at most ``tile`` rows (default ``tile_rows``), as ``profile`` says (default: the CPU kernels')."""
+    profile = profile or _CPU_PROFILE
     half = tokens[rank].doc.shape[0] // 2
-    tile = tile or tile_rows(2 * half, device)
-    profile = _device_profile(device)
+    tile = tile or tile_rows(2 * half, profile)
     leaf = profile.causal_leaf_rows
     documents = max((int(t.doc.max()) for t in tokens if t.doc.numel()), default=-1) + 1
     row_pieces = _key_pieces(tokens[rank], tile, mirrored=len(tokens) > 1)
@@ -533,7 +544,7 @@ def _document_blocks(
     key: tuple[Tensor, Tensor],
     causal: bool,
     documents: int,
-    profile: _DeviceProfile,
+    profile: PlanProfile,
     span: int,
 ) -> list[tuple[int | None, Block]]:
     """Cut one half-by-half block into bounding boxes of document groups (``_document_groups``), dropping those
@@ -554,11 +565,10 @@ def _document_blocks(
     return blocks
 
 
-def _document_groups(q_spans: _Spans, k_spans: _Spans, profile: _DeviceProfile, span: int) -> list[list[int]]:
+def _document_groups(q_spans: _Spans, k_spans: _Spans, profile: PlanProfile, span: int) -> list[list[int]]:
     """Documents on both sides, in order, alone or in runs of adjacent ones: a document joins the run before it when
     one masked call over the joined bounding box costs less than the run's calls and one more of its own (by
-    ``profile``),
-    and the box stays within ``span`` rows and columns (a tile: it bounds the mask).
+    ``profile``), and the box stays within ``span`` rows and columns (a tile: it bounds the mask).
 
     A run never spans a document it leaves out, so its bounding box stays small.
     """
