@@ -174,6 +174,14 @@ class Report:
         """Whether any check failed."""
         return any(check.status == "FAIL" for check in self.checks)
 
+    def raised(self, section: str, name: str, error: Exception) -> str:
+        """Record an exception as a failed check, its traceback under Failures; return its one-line summary."""
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        summary = f"{type(error).__name__}: {first}"[:300]
+        self.add(section, name, "FAIL", summary)
+        self.failures.append(f"{section} {name}:\n{traceback.format_exc()[-4000:]}")
+        return summary
+
     def markdown(self) -> str:
         """The whole report."""
         title = "# GPU check" if not self.settings.dry_run else "# GPU check: CPU DRY RUN (not GPU results)"
@@ -553,9 +561,15 @@ def check_attention(settings: Settings, report: Report, budget: Budget) -> None:
         )
         for cp in settings.exact_cps:
             for kernel in library_backends(settings.device):
-                row, status, detail = exactness_row(case, cp, kernel)
+                name = f"{'packed' if packed else 'dense'} cp={cp} {kernel}"
+                try:
+                    row, status, detail = exactness_row(case, cp, kernel)
+                except Exception as error:  # noqa: BLE001 - one backend's failure must not hide the others' rows
+                    cells = f"{'packed' if packed else 'dense'} | {cp} | - | {kernel} | - | - | - | -"
+                    report.text("attention", f"| {cells} | FAIL: {report.raised('attention', name, error)} |")
+                    continue
                 report.text("attention", row)
-                report.add("attention", f"{'packed' if packed else 'dense'} cp={cp} {kernel}", status, detail)
+                report.add("attention", name, status, detail)
         report.text("attention", "")
 
 
@@ -903,7 +917,10 @@ def measure_performance(settings: Settings, report: Report, budget: Budget) -> N
     """(b) Per-rank attention time (max over ranks) versus the whole sequence's time divided by cp."""
     probe = torch.zeros(2, 1, 1, 8, device=settings.device, dtype=settings.torch_dtype)
     kernel = attention._choose_kernel("auto", "allgather", probe)
-    measure_call_costs(settings, report, kernel if kernel in attention._KERNELS else "cuda_sdpa")  # cheap: first
+    try:  # cheap, so first; a failure here must not cost the efficiency table
+        measure_call_costs(settings, report, kernel if kernel in attention._KERNELS else "cuda_sdpa")
+    except Exception as error:  # noqa: BLE001 - recorded in the report
+        report.raised("perf", "tile call costs", error)
     judged = not settings.dry_run
     report.text(
         "perf",
@@ -995,8 +1012,16 @@ def perf_workload(
     for cp in settings.perf_cps:
         geometry = geometry_of(lengths, cp, packed)
         problem = math_memory_problem(settings, geometry) if kernel == "math" else ""
-        times, problem = rank_times(settings, budget, geometry, packed, kernel) if not problem else ([], problem)
         name = f"{workload} cp={cp}"
+        try:
+            times, problem = rank_times(settings, budget, geometry, packed, kernel) if not problem else ([], problem)
+        except Exception as error:  # noqa: BLE001 - one configuration's failure (out of memory, say) ends only it
+            summary = report.raised("perf", name, error)
+            row = f"| {workload} | {cp} | {reference} | {1000 * whole:.1f} | - | - | - | FAIL: {summary} |"
+            report.text("perf", row)
+            if settings.device == "cuda":
+                torch.cuda.empty_cache()
+            continue
         if problem:
             row = f"| {workload} | {cp} | {reference} | {1000 * whole:.1f} | - | - | - | SKIP: {problem} |"
             report.text("perf", row)
@@ -1104,9 +1129,7 @@ def run_section(name: str, settings: Settings, report: Report, budget: Budget) -
     try:
         SECTION_FUNCTIONS[name](settings, report, budget)
     except Exception as error:  # noqa: BLE001 - every failure becomes a line in the report
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        report.add(name, "section", "FAIL", f"{type(error).__name__}: {first}"[:300])
-        report.failures.append(f"section {name}:\n{traceback.format_exc()[-4000:]}")
+        report.raised(name, "section", error)
     if settings.device == "cuda":
         torch.cuda.empty_cache()  # the main job runs in another process on the same device
     print(f"gpu_check: section {name} done in {time.perf_counter() - started:.0f} s", flush=True)

@@ -85,3 +85,25 @@ def test_the_flash_attn_path_is_emulated_exactly_with_every_rank_s_gradients(mon
     monkeypatch.setattr(api, "flash_attn_varlen_func", lambda: lambda *a, **kw: fake_varlen(*a, **kw) * 1.01)
     row, status, _ = gpu_check.exactness_row(case, 2, "flash_attn")
     assert status == "FAIL", row
+
+
+@pytest.mark.timeout(180)
+def test_a_backend_that_raises_fails_its_rows_and_the_other_backends_still_report(monkeypatch) -> None:
+    """A kernel that raises (as an untried GPU kernel may) fails its own rows, with its traceback in the report; the
+    other backend's rows are still measured and pass."""
+    gpu_check = _load_script(monkeypatch)
+    settings = gpu_check.dry_run_settings(60.0)
+
+    def broken_forward(q, k, v, mask, causal, scale):
+        raise RuntimeError("no kernel image for this device")
+
+    monkeypatch.setitem(api._KERNELS, "math", kernels.BlockKernel("math", broken_forward, kernels.math_backward))
+    report = gpu_check.Report(settings)
+    gpu_check.check_attention(settings, report, gpu_check.Budget(60.0))
+    statuses = {check.name: (check.status, check.detail) for check in report.checks}
+    math_rows = {name: result for name, result in statuses.items() if name.endswith(" math")}
+    flash_rows = {name: result for name, result in statuses.items() if name.endswith(" cpu_flash")}
+    assert len(math_rows) == len(flash_rows) == 2 * len(settings.exact_cps)
+    assert all(status == "FAIL" and "no kernel image" in detail for status, detail in math_rows.values()), math_rows
+    assert all(status == "PASS" for status, _ in flash_rows.values()), flash_rows
+    assert "no kernel image for this device" in report.markdown() and report.failures
