@@ -259,14 +259,16 @@ _LSE_ROW_ALIGNMENT = 32
 _BIAS_ALIGNMENT = 16
 
 
-def _cuda_kernel_for(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, causal: bool) -> str:
+def _cuda_kernel_for(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> tuple[str, Tensor | None]:
     """Which of torch's CUDA kernels takes this tile, by torch's own checks (dtype, head dim, strides, the GPU's
     generation): ``"flash"`` (half precision without a mask; the op itself, unlike ``F.scaled_dot_product_attention``,
-    does not pad the head dim to a multiple of 8), ``"efficient"``, or ``"math"`` where neither does."""
+    does not pad the head dim to a multiple of 8), ``"efficient"``, or ``"math"`` where neither does; and the tile's
+    additive mask (``_aligned_bias``)."""
+    bias = _aligned_bias(mask, q, k.shape[2])
     params = torch.backends.cuda.SDPAParams(q, k, v, bias, 0.0, causal, False)
     if bias is None and q.shape[-1] % 8 == 0 and torch.backends.cuda.can_use_flash_attention(params, False):
-        return "flash"
-    return "efficient" if torch.backends.cuda.can_use_efficient_attention(params, False) else "math"
+        return "flash", bias
+    return "efficient" if torch.backends.cuda.can_use_efficient_attention(params, False) else "math", bias
 
 
 @functools.cache
@@ -294,8 +296,7 @@ def cuda_sdpa_forward(
     """torch's own CUDA attention kernels, which return the log-sum-exp: flash for unmasked half-precision tiles, the
     memory-efficient kernel (any mask, float32 too) for the others, ``math_forward`` where neither runs. Given one
     K/V head per query head (``CUDA_SDPA`` repeats them once per source)."""
-    bias = _aligned_bias(mask, q, k.shape[2])
-    kernel = _cuda_kernel_for(q, k, v, bias, causal)
+    kernel, bias = _cuda_kernel_for(q, k, v, mask, causal)
     if kernel == "flash":
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
         return out, lse
@@ -317,8 +318,7 @@ def cuda_sdpa_backward(
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward of ``cuda_sdpa_forward`` for one tile given the merged ``out`` and ``lse``."""
-    bias = _aligned_bias(mask, q, k.shape[2])
-    kernel = _cuda_kernel_for(q, k, v, bias, causal)
+    kernel, bias = _cuda_kernel_for(q, k, v, mask, causal)
     if kernel == "math":
         return math_backward(dout, q, k, v, out, lse, mask, causal, scale)
     dout, out = as_dtype(dout, q.dtype), as_dtype(out, q.dtype)
