@@ -549,7 +549,7 @@ def main() -> None:
         return
     _track_live_memory()
     balance_tokens, modes_tokens, repeats = (8192, 2048, 2) if args.quick else (32768, 8192, 3)
-    efficiency_tokens = [4096] if args.quick else [int(x) for x in args.efficiency_tokens.split(",")]
+    efficiency_tokens = [4096] if args.quick else [int(x) for x in args.efficiency_tokens.split(",") if x]
     memory_tokens = [8192] if args.quick else [int(x) for x in args.memory_tokens.split(",") if x]
     started = time.perf_counter()
     sections = (

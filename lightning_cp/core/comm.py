@@ -211,11 +211,14 @@ class Transfer:
 RingTransfer = Transfer  # the name benchmarks/train_bench.py times attention communication by
 
 
-def ring_shift(tensor: torch.Tensor, group: ProcessGroup, tag: int = 0) -> Transfer:
-    """Start sending ``tensor`` to group rank ``rank + 1`` and receiving the same shape from ``rank - 1`` (cyclic)."""
+def ring_shift(
+    tensor: torch.Tensor, group: ProcessGroup, tag: int = 0, received: torch.Tensor | None = None
+) -> Transfer:
+    """Start sending ``tensor`` to group rank ``rank + 1`` and receiving the same shape from ``rank - 1`` (cyclic),
+    into ``received`` when given (a contiguous buffer of that shape), else into a new tensor."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     sent = tensor.contiguous()
-    received = torch.empty_like(sent)
+    received = torch.empty_like(sent) if received is None else received
     next_rank = dist.get_global_rank(group, (rank + 1) % size)
     previous_rank = dist.get_global_rank(group, (rank - 1) % size)
     _sent(sent.numel() * sent.element_size())

@@ -39,6 +39,7 @@ from lightning_cp.core.attention.kernels import (
     all_finite,
     backward_source,
     build_block_plan,
+    copy_rows,
     finite_lse,
     flash_attn_varlen_func,
     forward_source,
@@ -424,6 +425,25 @@ class _LocalKV:
             visit(0, index, k[rows], v[rows], grads[0][rows], grads[1][rows])
 
 
+class _BufferPair:
+    """Two buffers for K/V-shaped pairs ``[2, rows, ...]`` of at most ``rows`` rows, handed out in turn: a piece's
+    buffer serves again two pieces later, when its transfer has finished, instead of a fresh allocation of megabytes
+    (and its page faults) for every piece."""
+
+    def __init__(self, like: Tensor, rows: int, dtype: torch.dtype) -> None:
+        self._like, self._rows, self._dtype = like, rows, dtype
+        self._buffers: list[Tensor] = []
+        self._turn = 0
+
+    def take(self, rows: int) -> Tensor:
+        """The next buffer as a contiguous ``[2, rows, ...]`` tensor (contents undefined)."""
+        shape = (2, rows, *self._like.shape[1:])
+        if len(self._buffers) < 2:
+            self._buffers.append(self._like.new_empty(math.prod((2, self._rows, *shape[2:])), dtype=self._dtype))
+        buffer, self._turn = self._buffers[self._turn], 1 - self._turn
+        return buffer[: math.prod(shape)].view(shape)
+
+
 class _GatheredKV:
     """``allgather``: each source's K/V broadcast by its owner, whole in the forward and one piece at a time in the
     backward (the next one already on its way), and each piece's dK/dV summed onto its owner while the next piece
@@ -432,39 +452,44 @@ class _GatheredKV:
     def __init__(self, group: ProcessGroup) -> None:
         self.group, self.rank, self.cp = group, comm.group_rank(group), comm.group_size(group)
 
-    def _fetch(self, src: int, k: Tensor, v: Tensor, rows: slice | Tensor) -> comm.Transfer:
-        """Start the broadcast of source ``src``'s K/V rows ``rows``, stacked ``[2, rows, ...]``."""
+    def _fetch(self, src: int, k: Tensor, v: Tensor, rows: slice | Tensor, buffers: _BufferPair) -> comm.Transfer:
+        """Start the broadcast of source ``src``'s K/V rows ``rows``, stacked ``[2, rows, ...]`` in the next buffer."""
+        kv = buffers.take(index_count(rows))
         if src == self.rank:
-            return comm.broadcast_from(torch.stack([take_rows(k, rows, 0), take_rows(v, rows, 0)]), src, self.group)
-        return comm.broadcast_from(k.new_empty((2, index_count(rows), *k.shape[1:])), src, self.group)
+            copy_rows(kv[0], k, rows)
+            copy_rows(kv[1], v, rows)
+        return comm.broadcast_from(kv, src, self.group)
 
     def sources(self, k: Tensor, v: Tensor, visit: _SourceVisit) -> None:
-        whole = slice(0, k.shape[0])
-        pending = self._fetch(0, k, v, whole)
+        whole, buffers = slice(0, k.shape[0]), _BufferPair(k, k.shape[0], k.dtype)
+        pending = self._fetch(0, k, v, whole, buffers)
         for src in range(self.cp):
             kv = pending.wait()
-            pending = self._fetch(src + 1, k, v, whole) if src + 1 < self.cp else None
+            pending = self._fetch(src + 1, k, v, whole, buffers) if src + 1 < self.cp else None
             visit(src, kv[0], kv[1])
 
     def pieces(
         self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice | Tensor], visit: _PieceVisit
     ) -> None:
         items = [(src, index) for src in range(self.cp) for index in range(len(pieces))]
-        pending, summing = self._fetch(0, k, v, pieces[0]), None
+        rows = max(index_count(piece) for piece in pieces)
+        fetched, partials = _BufferPair(k, rows, k.dtype), _BufferPair(k, rows, grads[0].dtype)
+        pending, summing = self._fetch(0, k, v, pieces[0], fetched), None
         for position, (src, index) in enumerate(items):
             kv = pending.wait()
             if position + 1 < len(items):
                 following = items[position + 1]
-                pending = self._fetch(following[0], k, v, pieces[following[1]])
-            previous, summing = summing, self._contribute(src, index, pieces[index], kv, grads[0].dtype, visit)
+                pending = self._fetch(following[0], k, v, pieces[following[1]], fetched)
+            partial = partials.take(kv.shape[1]).zero_()
+            previous, summing = summing, self._contribute(src, index, pieces[index], kv, partial, visit)
             self._land(previous, grads)  # the previous piece's sum ran during this one's compute
         self._land(summing, grads)
 
     def _contribute(
-        self, src: int, index: int, rows: slice | Tensor, kv: Tensor, dtype: torch.dtype, visit: _PieceVisit
+        self, src: int, index: int, rows: slice | Tensor, kv: Tensor, partial: Tensor, visit: _PieceVisit
     ) -> tuple[int, slice | Tensor, comm.Transfer]:
-        """Compute this rank's dK/dV for one piece and start summing it onto the owner (in the inputs' dtype)."""
-        partial = kv.new_zeros(kv.shape, dtype=dtype)
+        """Add this rank's dK/dV for one piece into ``partial`` and start summing it onto the owner (in the inputs'
+        dtype)."""
         visit(src, index, kv[0], kv[1], partial[0], partial[1])
         return src, rows, comm.reduce_sum_to(partial.to(kv.dtype), src, self.group)
 
@@ -487,9 +512,14 @@ class _RingKV:
         self.group, self.rank, self.cp = group, comm.group_rank(group), comm.group_size(group)
 
     def sources(self, k: Tensor, v: Tensor, visit: _SourceVisit) -> None:
-        kv = torch.stack([k, v])
+        buffers = _BufferPair(k, k.shape[0], k.dtype)
+        kv = buffers.take(k.shape[0])
+        kv[0].copy_(k)
+        kv[1].copy_(v)
         for step in range(self.cp):
-            transfer = comm.ring_shift(kv, self.group, _RING_KV_TAG) if step < self.cp - 1 else None
+            transfer = None
+            if step < self.cp - 1:  # into the other buffer, whose send finished with the previous step
+                transfer = comm.ring_shift(kv, self.group, _RING_KV_TAG, buffers.take(k.shape[0]))
             visit((self.rank - step) % self.cp, kv[0], kv[1])
             if transfer is not None:
                 kv = transfer.wait()
@@ -497,6 +527,8 @@ class _RingKV:
     def pieces(
         self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice | Tensor], visit: _PieceVisit
     ) -> None:
+        # Fresh buffers per step, not ``_BufferPair``s: a step's K/V, its dK/dV and the sums in flight overlap
+        # differently at the last step, and pairs would keep one more piece alive there.
         for index, rows in enumerate(pieces):
             kv, incoming = torch.stack([take_rows(k, rows, 0), take_rows(v, rows, 0)]), None
             for step in range(self.cp):
@@ -532,12 +564,13 @@ class _EmulatedKV:
     def pieces(
         self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice | Tensor], visit: _PieceVisit
     ) -> None:
+        partials = _BufferPair(k, max(index_count(piece) for piece in pieces), grads[0].dtype)
         for src in range(self.kv_all.shape[0]):
             keys, values = self._source(src, k, v)
             owner = grads if src == self.rank else self.sent[src]
             for index, rows in enumerate(pieces):
                 k_piece, v_piece = take_rows(keys, rows, 0), take_rows(values, rows, 0)
-                partial = k_piece.new_zeros((2, *k_piece.shape), dtype=grads[0].dtype)
+                partial = partials.take(k_piece.shape[0]).zero_()
                 visit(src, index, k_piece, v_piece, partial[0], partial[1])
                 add_rows(owner[0], rows, partial[0], 0)
                 add_rows(owner[1], rows, partial[1], 0)

@@ -820,6 +820,15 @@ def take_rows(x: Tensor, index: slice | Tensor, dim: int) -> Tensor:
     )
 
 
+def copy_rows(out: Tensor, x: Tensor, index: slice | Tensor) -> None:
+    """Write rows ``index`` of ``x`` (along dim 0) into ``out``, without the intermediate copy ``take_rows`` makes
+    for a tensor index."""
+    if isinstance(index, slice):
+        out.copy_(take_rows(x, index, 0))
+    else:
+        torch.index_select(x, 0, index, out=out)
+
+
 def add_rows(x: Tensor, index: slice | Tensor, value: Tensor, dim: int) -> None:
     """Add ``value``, rounded to ``x``'s dtype first, to rows ``index`` of ``x`` along ``dim`` in place."""
     if isinstance(index, slice):
