@@ -204,3 +204,14 @@ def test_backward_keeps_local_tensors_and_moves_pieces(cp, mode, packed, small_t
         assert extra <= own, f"the forward saved {extra} bytes besides q, k, v; out + lse are {own}"
         assert forward and set(forward) == {rows}, f"forward transfers carry whole shards: {forward}"
         assert backward and max(backward) <= tile < rows, f"backward transfers of {backward} rows; tile {tile}"
+
+
+def test_exchange_buffers_alternate_between_two_allocations():
+    """The exchanges' buffer pairs hand out contiguous ``[2, rows, ...]`` views of two allocations in turn, so a
+    piece's buffer serves again only two pieces later."""
+    pair = attention._BufferPair(torch.zeros(10, 2, 3), 6, torch.float64)
+    taken = [pair.take(rows) for rows in (6, 4, 2, 5)]
+    assert [tuple(x.shape) for x in taken] == [(2, rows, 2, 3) for rows in (6, 4, 2, 5)]
+    assert all(x.is_contiguous() and x.dtype == torch.float64 for x in taken)
+    pointers = [x.data_ptr() for x in taken]
+    assert pointers[0] != pointers[1] and pointers[2] == pointers[0] and pointers[3] == pointers[1]

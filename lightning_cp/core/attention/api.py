@@ -472,7 +472,7 @@ class _GatheredKV:
         self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice | Tensor], visit: _PieceVisit
     ) -> None:
         items = [(src, index) for src in range(self.cp) for index in range(len(pieces))]
-        rows = max(index_count(piece) for piece in pieces)
+        rows = max((index_count(piece) for piece in pieces), default=0)
         fetched, partials = _BufferPair(k, rows, k.dtype), _BufferPair(k, rows, grads[0].dtype)
         pending, summing = self._fetch(0, k, v, pieces[0], fetched), None
         for position, (src, index) in enumerate(items):
@@ -564,7 +564,7 @@ class _EmulatedKV:
     def pieces(
         self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice | Tensor], visit: _PieceVisit
     ) -> None:
-        partials = _BufferPair(k, max(index_count(piece) for piece in pieces), grads[0].dtype)
+        partials = _BufferPair(k, max((index_count(piece) for piece in pieces), default=0), grads[0].dtype)
         for src in range(self.kv_all.shape[0]):
             keys, values = self._source(src, k, v)
             owner = grads if src == self.rank else self.sent[src]
