@@ -122,10 +122,9 @@ def test_a_documents_blocks_from_both_halves_join_into_one_forward_tile():
 
 
 def test_causal_tiles_cover_the_triangle_once_in_small_diagonal_squares():
-    """A causal square of local rows 100..399 against columns 0..299: every visible pair in exactly one tile, causal
-    tiles only along the diagonal and at most the CPU profile's ``causal_leaf_rows``."""
-    size, shift = 300, 100
-    leaf = kernels._CPU_PROFILE.causal_leaf_rows
+    """A causal square of local rows 100..399 against columns 0..299, leaves of at most 64 rows: every visible pair in
+    exactly one tile, causal tiles only along the diagonal, halved until they fit (300 -> 150 -> 75 -> 37-38: 8)."""
+    size, shift, leaf = 300, 100, 64
     tiles = kernels._causal_tiles(torch.arange(shift, shift + size), torch.arange(size), leaf)
     covered = torch.zeros(size, size, dtype=torch.int64)
     for tile in tiles:

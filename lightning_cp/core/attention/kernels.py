@@ -56,12 +56,13 @@ class PlanProfile:
 # pairs, a masked call about 900 and its pairs 1.3x. Tiles take at least 512 rows: below 8192 rows per rank fewer,
 # larger calls are faster (fewer collectives, bigger kernel blocks) and the attention's memory is small. Forward tiles
 # span four tiles' rows: the forward holds no gradients, and the kernel uses its larger query blocks from 768 rows on.
-# Causal squares are cut into squares of at most 64 rows and the full rectangles beside them: the kernel skips masked
-# keys only in 512-key blocks, so a larger causal tile costs almost its whole square. The math kernel plans the same
-# way, which also bounds the score buffers it makes per call.
+# Causal squares are cut into squares of at most 128 rows and the full rectangles beside them: the kernel skips masked
+# keys only in 512-key blocks, so a larger causal tile costs almost its whole square, while smaller squares cost more
+# calls (64 rows: 5-7% slower on documents of 1-1024 tokens at cp 1, 2 and 4, the same on long ones). The math kernel
+# plans the same way, which also bounds the score buffers it makes per call.
 _CPU_PROFILE = PlanProfile(
     call_pairs=500, masked_call_pairs=900, masked_pair_cost=1.3, min_tile_rows=512, forward_tiles=4,
-    causal_leaf_rows=64,
+    causal_leaf_rows=128,
 )  # fmt: skip
 # torch's CUDA kernels (estimates for 32 heads x 128 in bf16; ``benchmarks/gpu_check.py`` fits them on a GPU): a call's
 # fixed cost (kernel launches, the host's bookkeeping: about 100-200 us per tile forward + backward) is worth about a
