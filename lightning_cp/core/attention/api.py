@@ -443,6 +443,18 @@ class _BufferPair:
         buffer, self._turn = self._buffers[self._turn], 1 - self._turn
         return buffer[: math.prod(shape)].view(shape)
 
+    def stacked(self, k: Tensor, v: Tensor, rows: slice | Tensor) -> Tensor:
+        """The next buffer holding rows ``rows`` of ``k`` and of ``v``."""
+        kv = self.take(index_count(rows))
+        copy_rows(kv[0], k, rows)
+        copy_rows(kv[1], v, rows)
+        return kv
+
+
+def _largest_piece(pieces: Sequence[slice | Tensor]) -> int:
+    """Rows of the largest key piece: what a piece buffer must hold."""
+    return max((index_count(piece) for piece in pieces), default=0)
+
 
 class _GatheredKV:
     """``allgather``: each source's K/V broadcast by its owner, whole in the forward and one piece at a time in the
@@ -454,10 +466,7 @@ class _GatheredKV:
 
     def _fetch(self, src: int, k: Tensor, v: Tensor, rows: slice | Tensor, buffers: _BufferPair) -> comm.Transfer:
         """Start the broadcast of source ``src``'s K/V rows ``rows``, stacked ``[2, rows, ...]`` in the next buffer."""
-        kv = buffers.take(index_count(rows))
-        if src == self.rank:
-            copy_rows(kv[0], k, rows)
-            copy_rows(kv[1], v, rows)
+        kv = buffers.stacked(k, v, rows) if src == self.rank else buffers.take(index_count(rows))
         return comm.broadcast_from(kv, src, self.group)
 
     def sources(self, k: Tensor, v: Tensor, visit: _SourceVisit) -> None:
@@ -472,7 +481,7 @@ class _GatheredKV:
         self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice | Tensor], visit: _PieceVisit
     ) -> None:
         items = [(src, index) for src in range(self.cp) for index in range(len(pieces))]
-        rows = max((index_count(piece) for piece in pieces), default=0)
+        rows = _largest_piece(pieces)
         fetched, partials = _BufferPair(k, rows, k.dtype), _BufferPair(k, rows, grads[0].dtype)
         pending, summing = self._fetch(0, k, v, pieces[0], fetched), None
         for position, (src, index) in enumerate(items):
@@ -513,9 +522,7 @@ class _RingKV:
 
     def sources(self, k: Tensor, v: Tensor, visit: _SourceVisit) -> None:
         buffers = _BufferPair(k, k.shape[0], k.dtype)
-        kv = buffers.take(k.shape[0])
-        kv[0].copy_(k)
-        kv[1].copy_(v)
+        kv = buffers.stacked(k, v, slice(0, k.shape[0]))
         for step in range(self.cp):
             transfer = None
             if step < self.cp - 1:  # into the other buffer, whose send finished with the previous step
@@ -564,7 +571,7 @@ class _EmulatedKV:
     def pieces(
         self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice | Tensor], visit: _PieceVisit
     ) -> None:
-        partials = _BufferPair(k, max((index_count(piece) for piece in pieces), default=0), grads[0].dtype)
+        partials = _BufferPair(k, _largest_piece(pieces), grads[0].dtype)
         for src in range(self.kv_all.shape[0]):
             keys, values = self._source(src, k, v)
             owner = grads if src == self.rank else self.sent[src]
