@@ -89,17 +89,21 @@ def _shard(x: torch.Tensor, tokens: zigzag.RankTokens, offsets: torch.Tensor) ->
 
 def _rank_time(workload: Workload, tokens: list[zigzag.RankTokens], rank: int, tensors: tuple) -> tuple[float, float]:
     """CPU seconds of one rank's forward + backward against every rank's K/V, run as ``allgather`` runs it (the same
-    tiles and key pieces) without a group, and the share of them spent inside the block kernels' calls."""
+    tiles and key pieces, the other ranks' finite flags given as their messages carry them) without a group, and the
+    share of them spent inside the block kernels' calls."""
     offsets = torch.tensor([0, *workload.lengths]).cumsum(0)
     plan = kernels.build_block_plan(tokens, rank, True, torch.device("cpu"))
     shards = [[_shard(x, t, offsets) for x in tensors] for t in tokens]
     q, k, v = (x.requires_grad_() for x in shards[rank])
     kv_all = torch.stack([torch.stack(shard[1:]) for shard in shards]).detach()
+    kv_finite = torch.stack([kernels.all_finite(kv) for kv in kv_all])  # each owner's flag, sent with its K/V
     sent = torch.zeros_like(kv_all)
     in_kernels = [0.0]
     kernel = _timed_kernel(kernels.CPU_FLASH, in_kernels)
     start = time.thread_time()
-    out = attention.emulated_rank_attention(q, k, v, kv_all, sent, plan, scale=HEAD_DIM**-0.5, kernel=kernel)
+    out = attention.emulated_rank_attention(
+        q, k, v, kv_all, sent, plan, scale=HEAD_DIM**-0.5, kernel=kernel, kv_finite=kv_finite
+    )
     out.backward(torch.ones_like(out))
     return time.thread_time() - start, in_kernels[0]
 

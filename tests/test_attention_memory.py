@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import pytest
 import torch
@@ -173,7 +174,7 @@ def _kept_and_moved(mode: str, packed: bool) -> tuple[int, int, list[int], list[
     def recording(fn):
         @functools.wraps(fn)
         def wrapped(tensor, *args, **kwargs):
-            moved[phase[0]].append(tensor.shape[1])  # every transfer is a [2, rows, ...] stack of K/V or dK/dV
+            moved[phase[0]].append(tensor.numel())  # K/V or dK/dV of some rows (forward K/V: + 1 flag)
             return fn(tensor, *args, **kwargs)
 
         return wrapped
@@ -192,7 +193,9 @@ def _kept_and_moved(mode: str, packed: bool) -> tuple[int, int, list[int], list[
     inputs = {x.data_ptr() for x in (q, k, v)}
     extra = sum(t.numel() * t.element_size() for t in saved if t.data_ptr() not in inputs)
     own = out.numel() * out.element_size() + out.numel() // dim * 4
-    return extra, own, moved["forward"], moved["backward"], rows, -(-rows // TILES_PER_RANK)
+    pair = 2 * math.prod(shape[1:])  # elements of one row of K and V
+    transfers = {phase: [elements // pair for elements in counts] for phase, counts in moved.items()}
+    return extra, own, transfers["forward"], transfers["backward"], rows, -(-rows // TILES_PER_RANK)
 
 
 @pytest.mark.parametrize("cp", [2, 4])

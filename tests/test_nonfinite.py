@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_cp.core import zigzag
 from lightning_cp.core.attention import kernels
-from lightning_cp.core.attention.api import NON_FINITE_FIELD, zigzag_attention
+from lightning_cp.core.attention.api import NON_FINITE_FIELD, emulated_rank_attention, zigzag_attention
 from tests.attention_helpers import Case, case_lengths, packed_params, reference_case, shard_slots, zigzag_index
 from tests.distributed_harness import run_on_ranks
 
@@ -142,8 +143,9 @@ def _unchecked_failures(cp: int) -> list[str]:
     return failures
 
 
-@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("cp", [1, 2, 3])
 def test_unchecked_non_finite_inputs_never_give_wrong_finite_values(cp: int) -> None:
+    """cp 3: a source's finite flag reaches ranks that get its K/V second-hand (the ring's forwarded buffers)."""
     per_rank = run_on_ranks(_unchecked_failures, cp, cp, timeout=240) if cp > 1 else [_unchecked_failures(cp)]
     failures = [failure for rank_failures in per_rank for failure in rank_failures]
     assert not failures, "\n".join(failures[:20])
@@ -168,3 +170,27 @@ def test_all_finite_sees_exactly_the_elements_of_a_view(view: str) -> None:
         x.view(-1)[position] = math.inf
         seen = VIEWS[view](x)
         assert kernels.all_finite(seen).item() == torch.isfinite(seen).all().item(), position
+
+
+def test_an_emulated_rank_trusts_the_finite_flags_its_sources_send() -> None:
+    """``emulated_rank_attention(kv_finite=...)``: another rank's K/V flagged non-finite turn the rows that see them
+    NaN, as a group's message flag does, while a rank checks its own K/V itself; flags saying finite change nothing."""
+    cp, lengths = 2, [24]
+    torch.manual_seed(0)
+    tokens = [zigzag.contiguous_rank_tokens(lengths, cp, rank) for rank in range(cp)]
+    q, k, v = (torch.randn(cp, 12, 2, 8) for _ in range(3))  # two ranks' contiguous halves of one causal sequence
+    kv_all = torch.stack([k, v], dim=1)
+
+    def attend(rank: int, kv_finite: torch.Tensor | None) -> torch.Tensor:
+        plan = kernels.build_block_plan(tokens, rank, True, torch.device("cpu"))
+        sent = torch.zeros_like(kv_all)
+        return emulated_rank_attention(
+            q[rank], k[rank], v[rank], kv_all, sent, plan, scale=8**-0.5, kernel=kernels.CPU_FLASH, kv_finite=kv_finite
+        )
+
+    for rank in range(cp):
+        checked = attend(rank, None)
+        assert torch.isfinite(checked).all()
+        assert torch.equal(attend(rank, torch.tensor([True, True])), checked)
+    assert torch.equal(attend(0, torch.tensor([False, True])), attend(0, None)), "rank 0 checks its own K/V"
+    assert torch.isnan(attend(1, torch.tensor([False, True]))).all(), "rank 1 sees rank 0's keys flagged non-finite"

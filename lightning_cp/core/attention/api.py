@@ -18,6 +18,7 @@ import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
@@ -368,11 +369,12 @@ class _ShardAttention(torch.autograd.Function):
 
         queries_finite = all_finite(q) if kernel.needs_finite_inputs else None
 
-        def visit(src: int, k_src: Tensor, v_src: Tensor) -> None:
+        def visit(src: int, k_src: Tensor, v_src: Tensor, keys_finite: Tensor | None) -> None:
             keys, values = _heads_first(k_src), _heads_first(v_src)
-            forward_source(heads, lse, queries, keys, values, plan.tiles[src], kernel, scale, queries_finite)
+            blocks = plan.tiles[src]
+            forward_source(heads, lse, queries, keys, values, blocks, kernel, scale, queries_finite, keys_finite)
 
-        exchange.sources(k, v, visit)
+        exchange.sources(k, v, visit, kernel.needs_finite_inputs)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.kernel, ctx.scale, ctx.exchange = plan, kernel, scale, exchange
@@ -395,15 +397,17 @@ class _ShardAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-_SourceVisit = Callable[[int, Tensor, Tensor], None]
+_SourceVisit = Callable[[int, Tensor, Tensor, Tensor | None], None]
 _PieceVisit = Callable[[int, int, Tensor, Tensor, Tensor, Tensor], None]
 
 
 class _KVExchange(Protocol):
     """How every source rank's K/V reach this rank, and their dK/dV go back to their owners."""
 
-    def sources(self, k: Tensor, v: Tensor, visit: _SourceVisit) -> None:
-        """Call ``visit(src, k_src, v_src)`` for every source rank with its whole K/V (this rank's: ``k``, ``v``)."""
+    def sources(self, k: Tensor, v: Tensor, visit: _SourceVisit, finite_flags: bool) -> None:
+        """Call ``visit(src, k_src, v_src, keys_finite)`` for every source rank with its whole K/V (this rank's: ``k``,
+        ``v``); with ``finite_flags``, ``keys_finite`` is whether the source's K and V hold only finite values, as its
+        owner found and sent with them (else, or where the exchange has no such flag, None)."""
 
     def pieces(
         self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice | Tensor], visit: _PieceVisit
@@ -415,8 +419,8 @@ class _KVExchange(Protocol):
 class _LocalKV:
     """One rank: its own K/V are the only source, and their pieces are views."""
 
-    def sources(self, k: Tensor, v: Tensor, visit: _SourceVisit) -> None:
-        visit(0, k, v)
+    def sources(self, k: Tensor, v: Tensor, visit: _SourceVisit, finite_flags: bool) -> None:
+        visit(0, k, v, None)
 
     def pieces(
         self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice | Tensor], visit: _PieceVisit
@@ -425,30 +429,62 @@ class _LocalKV:
             visit(0, index, k[rows], v[rows], grads[0][rows], grads[1][rows])
 
 
-class _BufferPair:
-    """Two buffers for K/V-shaped pairs ``[2, rows, ...]`` of at most ``rows`` rows, handed out in turn: a piece's
-    buffer serves again two pieces later, when its transfer has finished, instead of a fresh allocation of megabytes
-    (and its page faults) for every piece."""
+@dataclass(frozen=True)
+class _KVMessage:
+    """One source's K/V rows as an exchange sends them: ``flat`` (what goes over the wire) holds ``kv`` ``[2, rows,
+    ...]`` and, with a ``flag``, one more element, 0 when the owner's rows are all finite and NaN when not, so the
+    receivers need not check K/V they did not make (the flag travels with the rows it describes)."""
 
-    def __init__(self, like: Tensor, rows: int, dtype: torch.dtype) -> None:
-        self._like, self._rows, self._dtype = like, rows, dtype
+    flat: Tensor
+    kv: Tensor
+    flag: Tensor | None
+
+    def fill(self, k: Tensor, v: Tensor, rows: slice | Tensor) -> None:
+        """The owner's side: copy rows ``rows`` of ``k`` and ``v`` in and set the flag (one pass over both)."""
+        copy_rows(self.kv[0], k, rows)
+        copy_rows(self.kv[1], v, rows)
+        if self.flag is not None:
+            self.flag.fill_(0.0).masked_fill_(~all_finite(self.kv), math.nan)
+
+    def finite(self) -> Tensor | None:
+        """Whether the rows are all finite, as their owner found (a 0-dim bool), or None without a flag."""
+        return None if self.flag is None else torch.isfinite(self.flag[0])
+
+
+class _BufferPair:
+    """Two buffers for K/V-shaped pairs ``[2, rows, ...]`` of at most ``rows`` rows (with ``flag_slot``, one element
+    more: a ``_KVMessage``'s flag), handed out in turn: a piece's buffer serves again two pieces later, when its
+    transfer has finished, instead of a fresh allocation of megabytes (and its page faults) for every piece."""
+
+    def __init__(self, like: Tensor, rows: int, dtype: torch.dtype, flag_slot: bool = False) -> None:
+        self._like, self._rows, self._dtype, self._slot = like, rows, dtype, int(flag_slot)
         self._buffers: list[Tensor] = []
         self._turn = 0
 
+    def _next(self, elements: int) -> Tensor:
+        """The first ``elements`` elements of the next buffer."""
+        if len(self._buffers) < 2:
+            self._buffers.append(self._like.new_empty(self._elements(self._rows) + self._slot, dtype=self._dtype))
+        buffer, self._turn = self._buffers[self._turn], 1 - self._turn
+        return buffer[:elements]
+
+    def _shape(self, rows: int) -> tuple[int, ...]:
+        """The shape of a K/V pair of ``rows`` rows."""
+        return (2, rows, *self._like.shape[1:])
+
+    def _elements(self, rows: int) -> int:
+        """The elements of a K/V pair of ``rows`` rows."""
+        return math.prod(self._shape(rows))
+
     def take(self, rows: int) -> Tensor:
         """The next buffer as a contiguous ``[2, rows, ...]`` tensor (contents undefined)."""
-        shape = (2, rows, *self._like.shape[1:])
-        if len(self._buffers) < 2:
-            self._buffers.append(self._like.new_empty(math.prod((2, self._rows, *shape[2:])), dtype=self._dtype))
-        buffer, self._turn = self._buffers[self._turn], 1 - self._turn
-        return buffer[: math.prod(shape)].view(shape)
+        return self._next(self._elements(rows)).view(self._shape(rows))
 
-    def stacked(self, k: Tensor, v: Tensor, rows: slice | Tensor) -> Tensor:
-        """The next buffer holding rows ``rows`` of ``k`` and of ``v``."""
-        kv = self.take(index_count(rows))
-        copy_rows(kv[0], k, rows)
-        copy_rows(kv[1], v, rows)
-        return kv
+    def message(self, rows: int) -> _KVMessage:
+        """The next buffer as a message of ``rows`` rows, flagged if the pair has the slot (contents undefined)."""
+        size = self._elements(rows)
+        flat = self._next(size + self._slot)
+        return _KVMessage(flat, flat[:size].view(self._shape(rows)), flat[size:] if self._slot else None)
 
 
 def _largest_piece(pieces: Sequence[slice | Tensor]) -> int:
@@ -464,18 +500,23 @@ class _GatheredKV:
     def __init__(self, group: ProcessGroup) -> None:
         self.group, self.rank, self.cp = group, comm.group_rank(group), comm.group_size(group)
 
-    def _fetch(self, src: int, k: Tensor, v: Tensor, rows: slice | Tensor, buffers: _BufferPair) -> comm.Transfer:
-        """Start the broadcast of source ``src``'s K/V rows ``rows``, stacked ``[2, rows, ...]`` in the next buffer."""
-        kv = buffers.stacked(k, v, rows) if src == self.rank else buffers.take(index_count(rows))
-        return comm.broadcast_from(kv, src, self.group)
+    def _fetch(
+        self, src: int, k: Tensor, v: Tensor, rows: slice | Tensor, buffers: _BufferPair
+    ) -> tuple[comm.Transfer, _KVMessage]:
+        """Start the broadcast of source ``src``'s K/V rows ``rows`` as a message in the next buffer."""
+        message = buffers.message(index_count(rows))
+        if src == self.rank:
+            message.fill(k, v, rows)
+        return comm.broadcast_from(message.flat, src, self.group), message
 
-    def sources(self, k: Tensor, v: Tensor, visit: _SourceVisit) -> None:
-        whole, buffers = slice(0, k.shape[0]), _BufferPair(k, k.shape[0], k.dtype)
+    def sources(self, k: Tensor, v: Tensor, visit: _SourceVisit, finite_flags: bool) -> None:
+        whole, buffers = slice(0, k.shape[0]), _BufferPair(k, k.shape[0], k.dtype, flag_slot=finite_flags)
         pending = self._fetch(0, k, v, whole, buffers)
         for src in range(self.cp):
-            kv = pending.wait()
+            transfer, message = pending
+            transfer.wait()
             pending = self._fetch(src + 1, k, v, whole, buffers) if src + 1 < self.cp else None
-            visit(src, kv[0], kv[1])
+            visit(src, message.kv[0], message.kv[1], message.finite())
 
     def pieces(
         self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice | Tensor], visit: _PieceVisit
@@ -485,7 +526,9 @@ class _GatheredKV:
         fetched, partials = _BufferPair(k, rows, k.dtype), _BufferPair(k, rows, grads[0].dtype)
         pending, summing = self._fetch(0, k, v, pieces[0], fetched), None
         for position, (src, index) in enumerate(items):
-            kv = pending.wait()
+            transfer, message = pending
+            transfer.wait()
+            kv = message.kv
             if position + 1 < len(items):
                 following = items[position + 1]
                 pending = self._fetch(following[0], k, v, pieces[following[1]], fetched)
@@ -520,16 +563,20 @@ class _RingKV:
     def __init__(self, group: ProcessGroup) -> None:
         self.group, self.rank, self.cp = group, comm.group_rank(group), comm.group_size(group)
 
-    def sources(self, k: Tensor, v: Tensor, visit: _SourceVisit) -> None:
-        buffers = _BufferPair(k, k.shape[0], k.dtype)
-        kv = buffers.stacked(k, v, slice(0, k.shape[0]))
+    def sources(self, k: Tensor, v: Tensor, visit: _SourceVisit, finite_flags: bool) -> None:
+        rows = k.shape[0]
+        buffers = _BufferPair(k, rows, k.dtype, flag_slot=finite_flags)
+        current = buffers.message(rows)
+        current.fill(k, v, slice(0, rows))
         for step in range(self.cp):
-            transfer = None
+            following, transfer = None, None
             if step < self.cp - 1:  # into the other buffer, whose send finished with the previous step
-                transfer = comm.ring_shift(kv, self.group, _RING_KV_TAG, buffers.take(k.shape[0]))
-            visit((self.rank - step) % self.cp, kv[0], kv[1])
+                following = buffers.message(rows)
+                transfer = comm.ring_shift(current.flat, self.group, _RING_KV_TAG, following.flat)
+            visit((self.rank - step) % self.cp, current.kv[0], current.kv[1], current.finite())
             if transfer is not None:
-                kv = transfer.wait()
+                transfer.wait()
+                current = following
 
     def pieces(
         self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice | Tensor], visit: _PieceVisit
@@ -555,18 +602,21 @@ class _RingKV:
 class _EmulatedKV:
     """One rank of a CP group run alone in this process: every rank's K/V are given at once, in their local layout
     (``kv_all`` ``[cp, 2, ...]``); the dK/dV this rank computes for another rank's keys, which a group would send to
-    their owner, are added into ``sent`` (the same shape), rounded to its dtype as the group's sum rounds them."""
+    their owner, are added into ``sent`` (the same shape), rounded to its dtype as the group's sum rounds them.
+    ``kv_finite`` ``[cp]``: whether each rank's K and V are all finite, as their owners would send it (None: the
+    forward checks them here)."""
 
-    def __init__(self, rank: int, kv_all: Tensor, sent: Tensor) -> None:
-        self.rank, self.kv_all, self.sent = rank, kv_all, sent
+    def __init__(self, rank: int, kv_all: Tensor, sent: Tensor, kv_finite: Tensor | None = None) -> None:
+        self.rank, self.kv_all, self.sent, self.kv_finite = rank, kv_all, sent, kv_finite
 
     def _source(self, src: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Source ``src``'s K and V: this rank's own (the autograd inputs) or the given ones."""
         return (k, v) if src == self.rank else (self.kv_all[src, 0], self.kv_all[src, 1])
 
-    def sources(self, k: Tensor, v: Tensor, visit: _SourceVisit) -> None:
+    def sources(self, k: Tensor, v: Tensor, visit: _SourceVisit, finite_flags: bool) -> None:
         for src in range(self.kv_all.shape[0]):
-            visit(src, *self._source(src, k, v))
+            sent_flag = finite_flags and src != self.rank and self.kv_finite is not None
+            visit(src, *self._source(src, k, v), self.kv_finite[src] if sent_flag else None)
 
     def pieces(
         self, k: Tensor, v: Tensor, grads: tuple[Tensor, Tensor], pieces: Sequence[slice | Tensor], visit: _PieceVisit
@@ -584,7 +634,16 @@ class _EmulatedKV:
 
 
 def emulated_rank_attention(
-    q: Tensor, k: Tensor, v: Tensor, kv_all: Tensor, sent: Tensor, plan: BlockPlan, *, scale: float, kernel: BlockKernel
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_all: Tensor,
+    sent: Tensor,
+    plan: BlockPlan,
+    *,
+    scale: float,
+    kernel: BlockKernel,
+    kv_finite: Tensor | None = None,
 ) -> Tensor:
     """Rank ``plan.rank``'s attention exactly as ``allgather`` runs it (the same tiles, pieces and kernels), in this
     process without a group: for tests, benchmarks and the GPU check.
@@ -592,8 +651,11 @@ def emulated_rank_attention(
     ``kv_all`` ``[cp, 2, *k.shape]`` holds every rank's K and V; autograd returns this rank's dQ and its own share of
     dK/dV, and the shares of the other ranks' dK/dV are added into ``sent`` (zeros like ``kv_all``: the group's
     reduce sums them in the K/V dtype too), so summing both over the emulated ranks gives the group's gradients.
+    ``kv_finite`` ``[cp]``: every rank's ``all_finite`` of its K and V, which a group's owners send with them, so
+    this rank's forward checks only its own (None: it checks every source, as a rank without the flags would).
     """
-    return _ShardAttention.apply(q, k, v, plan, kernel, scale, _EmulatedKV(plan.rank, kv_all, sent))
+    exchange = _EmulatedKV(plan.rank, kv_all, sent, kv_finite)
+    return _ShardAttention.apply(q, k, v, plan, kernel, scale, exchange)
 
 
 def _flash_attention(

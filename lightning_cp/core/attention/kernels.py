@@ -83,7 +83,8 @@ class BlockKernel:
     ``forward_source``/``backward_source`` repeat a source's K/V heads once for all its blocks, not once per block.
     ``needs_finite_inputs``: the forward may return wrong finite values for NaN or infinite inputs, so
     ``forward_source`` turns every output row NaN when q or a source's k or v holds one (checked on the device: q once
-    per call, each source's k and v once, never per block).
+    per call, each source's k and v once, never per block; in a group by their owner, whose message carries the
+    flag).
     ``tiling``: the ``PlanProfile`` its plans assume (``plan_profile``): ``"cpu"`` or ``"gpu"``.
     """
 
@@ -866,15 +867,17 @@ def forward_source(
     kernel: BlockKernel,
     scale: float,
     queries_finite: Tensor | None = None,
+    keys_finite: Tensor | None = None,
 ) -> None:
     """Attend the ``[B, H, S, D]`` queries to one source's K/V block by block, merging into ``out``/``lse`` in
     place (``out`` in the accumulation dtype). ``queries_finite``: ``all_finite(q)`` when the caller has it (one
-    check for all sources)."""
+    check for all sources); ``keys_finite``: ``all_finite(k) & all_finite(v)`` when the source sent it with them."""
     if not blocks:
         return
     finite = None
     if kernel.needs_finite_inputs:
-        finite = (all_finite(q) if queries_finite is None else queries_finite) & all_finite(k) & all_finite(v)
+        queries_finite = all_finite(q) if queries_finite is None else queries_finite
+        finite = queries_finite & (all_finite(k) & all_finite(v) if keys_finite is None else keys_finite)
     if not kernel.shares_kv_heads:
         k, v = _repeat_kv(k, q.shape[1] // k.shape[1]), _repeat_kv(v, q.shape[1] // v.shape[1])
     for block in blocks:
