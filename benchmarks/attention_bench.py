@@ -5,8 +5,8 @@ cp 1, 2 and 4; and which mode sends the fewest bytes for common GPU models.
 Run from the repository root: ``python benchmarks/attention_bench.py [--quick] [--baseline CHECKOUT]``. Everything
 runs on CPU with one thread per rank (gloo for the process groups); tables are printed and saved to
 ``benchmarks/results/``. ``--baseline`` names another checkout of the project (e.g. ``git worktree add /tmp/before
-HEAD`` before a change): the memory and efficiency table then measures its code too, config by config in the same
-run, for before/after columns.
+HEAD`` before a change): the memory and efficiency table then measures its code too (with its own copy of this
+script), config by config in the same run, for before/after columns.
 """
 
 from __future__ import annotations
@@ -349,11 +349,13 @@ def _emulated_trial(workload: Workload, cp: int, rounds: int = 3) -> dict[str, f
 def _trial(workload: Workload, cp: int, mode: str, checkout: Path | None, timed: bool = True) -> dict[str, float]:
     """Peak MiB of the highest rank (a run with memory tracking) and, if ``timed``, CPU seconds of the slowest rank,
     all threads and the calling one (a run without), of one trial, with this code or, in a child interpreter, the code
-    at ``checkout``; for ``mode`` "emulated" the compute-side efficiency of ``_emulated_trial`` instead."""
+    at ``checkout`` run by that checkout's own copy of this script (its harness matches its code); for ``mode``
+    "emulated" the compute-side efficiency of ``_emulated_trial`` instead."""
     if checkout is not None:
         spec = {"name": workload.name, "lengths": workload.lengths, "packed": workload.packed, "cp": cp, "mode": mode}
         env = {**os.environ, "PYTHONPATH": str(checkout)}
-        command = [sys.executable, __file__, "--trial", json.dumps({**spec, "timed": timed})]
+        script = checkout / "benchmarks" / Path(__file__).name
+        command = [sys.executable, str(script), "--trial", json.dumps({**spec, "timed": timed})]
         result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         if result.returncode:
             raise RuntimeError(f"trial {spec} with {checkout} failed:\n{result.stderr[-3000:]}")
