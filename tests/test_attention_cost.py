@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from lightning_cp.attention import zigzag_attention
 from lightning_cp.core import comm
+from lightning_cp.core.attention import api as attention
 from lightning_cp.core.attention.cost import bytes_sent_per_layer, choose_attention_mode, model_head_counts
 from lightning_cp.packed import PackedSeqParams
 from lightning_cp.train.models import LlamaConfig, LlamaDecoder
@@ -43,7 +44,8 @@ def _counted(mode: str, packed: bool, heads: tuple[int, int], ulysses: int) -> t
     with comm.counting_sent_bytes() as sent:
         out = zigzag_attention(q, k, v, dist.group.WORLD, packed_seq_params=params, mode=mode, **groups)
         out.sum().backward()
-    model = bytes_sent_per_layer(mode, cp, rows * batch, *heads, HEAD_DIM, 4, ulysses_size=ulysses)
+    flags = attention._KERNELS[attention._choose_kernel("auto", mode, q)].needs_finite_inputs
+    model = bytes_sent_per_layer(mode, cp, rows * batch, *heads, HEAD_DIM, 4, ulysses_size=ulysses, finite_flags=flags)
     return sent.total, model
 
 

@@ -23,18 +23,23 @@ def bytes_sent_per_layer(
     element_size: int,
     gradient_element_size: int | None = None,
     ulysses_size: int | None = None,
+    finite_flags: bool = False,
 ) -> float:
     """Bytes one rank sends for one attention layer's forward and backward.
 
     ``local_rows``: the rank's query rows (tokens x batch rows) in the layout the mode takes; ``gradient_element_size``:
-    the size of the ring's accumulated dK/dV (float32 for half precisions; default ``element_size``).
+    the size of the ring's accumulated dK/dV (float32 for half precisions; default ``element_size``);
+    ``finite_flags``: the kernel needs finite inputs (CPU flash, CUDA SDPA), so each forward K/V message carries one
+    more element, the owner's finite flag (a few bytes per layer, which the mode choice leaves out).
     """
     gradient_element_size = gradient_element_size or element_size
     row = head_dim * element_size
+    flags = element_size if finite_flags else 0
     if mode == "allgather":  # K/V broadcast from each source in the forward and again in the backward, dK/dV
-        return 6 * (cp_size - 1) * local_rows * kv_heads * row  # pieces reduced onto their owners
+        return 6 * (cp_size - 1) * local_rows * kv_heads * row + (cp_size - 1) * flags  # pieces reduced to owners
     if mode == "ring":
-        return _ring_bytes(cp_size, local_rows * kv_heads * head_dim, element_size, gradient_element_size)
+        kv_elements = local_rows * kv_heads * head_dim
+        return _ring_bytes(cp_size, kv_elements, element_size, gradient_element_size) + (cp_size - 1) * flags
     ulysses = cp_size if mode == "ulysses" else ulysses_size
     if mode not in ("ulysses", "hybrid") or ulysses is None:
         raise ValueError(f"mode={mode!r} with ulysses_size={ulysses_size!r}: no cost model")
@@ -43,7 +48,8 @@ def bytes_sent_per_layer(
     if mode == "ulysses":
         return exchange
     ring = cp_size // ulysses
-    return exchange + _ring_bytes(ring, local_rows * replicated_kv * head_dim, element_size, gradient_element_size)
+    kv_elements = local_rows * replicated_kv * head_dim
+    return exchange + _ring_bytes(ring, kv_elements, element_size, gradient_element_size) + (ring - 1) * flags
 
 
 def _ring_bytes(ranks: int, kv_elements: int, element_size: int, gradient_element_size: int) -> float:
