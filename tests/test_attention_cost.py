@@ -18,8 +18,9 @@ from tests.layout_reference import thd_positions
 HEAD_DIM = 8
 
 
-def _counted(mode: str, packed: bool, heads: tuple[int, int], ulysses: int) -> tuple[int, float]:
-    """Rank body: bytes counted for one attention forward and backward, and what the model says."""
+def _counted(mode: str, packed: bool, heads: tuple[int, int], ulysses: int, checked: bool) -> tuple[int, float]:
+    """Rank body: bytes counted for one attention forward and backward, and what the model says (``checked``: the
+    consensus check read the inputs, so no finite flags travel)."""
     cp, rank = dist.get_world_size(), dist.get_rank()
     ring = cp // ulysses if mode == "hybrid" else cp
     split = ulysses if mode == "hybrid" else 1
@@ -42,9 +43,11 @@ def _counted(mode: str, packed: bool, heads: tuple[int, int], ulysses: int) -> t
     q = torch.randn(*shape, heads[0], HEAD_DIM, requires_grad=True)
     k, v = (torch.randn(*shape, heads[1], HEAD_DIM, requires_grad=True) for _ in range(2))
     with comm.counting_sent_bytes() as sent:
-        out = zigzag_attention(q, k, v, dist.group.WORLD, packed_seq_params=params, mode=mode, **groups)
+        out = zigzag_attention(
+            q, k, v, dist.group.WORLD, packed_seq_params=params, mode=mode, check_consensus=checked, **groups
+        )
         out.sum().backward()
-    flags = attention._KERNELS[attention._choose_kernel("auto", mode, q)].needs_finite_inputs
+    flags = not checked and attention._KERNELS[attention._choose_kernel("auto", mode, q)].needs_finite_inputs
     model = bytes_sent_per_layer(mode, cp, rows * batch, *heads, HEAD_DIM, 4, ulysses_size=ulysses, finite_flags=flags)
     return sent.total, model
 
@@ -63,8 +66,11 @@ def _counted(mode: str, packed: bool, heads: tuple[int, int], ulysses: int) -> t
     ],
 )
 @pytest.mark.parametrize("packed", [False, True])
-def test_bytes_sent_equal_the_model(mode: str, cp: int, heads: tuple[int, int], ulysses: int, packed: bool):
-    for counted, model in run_on_ranks(_counted, cp, mode, packed, heads, ulysses, timeout=120):
+@pytest.mark.parametrize("checked", [True, False])
+def test_bytes_sent_equal_the_model(
+    mode: str, cp: int, heads: tuple[int, int], ulysses: int, packed: bool, checked: bool
+) -> None:
+    for counted, model in run_on_ranks(_counted, cp, mode, packed, heads, ulysses, checked, timeout=120):
         assert counted > 0 and counted == model, f"counted {counted} bytes, the model says {model}"
 
 

@@ -14,11 +14,11 @@ key piece at a time and returns each piece's dK/dV to its owner (summed by a red
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
@@ -164,7 +164,7 @@ def zigzag_attention(
         )
     return attend_on_shards(
         q, k, v, cp_group, geometry, packed=packed_seq_params is not None, causal=causal, softmax_scale=softmax_scale,
-        mode=mode, backend=backend, ulysses_group=ulysses_group, ring_group=ring_group,
+        mode=mode, backend=backend, ulysses_group=ulysses_group, ring_group=ring_group, known_finite=check_consensus,
     )  # fmt: skip
 
 
@@ -235,11 +235,13 @@ def attend_on_shards(
     ring_group: ProcessGroup | None = None,
     layout: CPLayout = CPLayout.ZIGZAG,
     stream_length: int | None = None,
+    known_finite: bool = False,
 ) -> Tensor:
     """Run CP attention for a batch whose ``geometry`` is known (validated shapes; no host synchronisation).
 
     The shards are zigzag, except that ``ulysses`` also takes them in the contiguous ``layout`` (of a stream padded to
-    ``stream_length``): head exchange works on any layout, so it needs no conversion.
+    ``stream_length``): head exchange works on any layout, so it needs no conversion. ``known_finite``: every rank's
+    q, k, v were read and hold only finite values (``zigzag_attention``'s check), so kernels skip their own guard.
     """
     _check_local_token_count(q.shape[0], geometry, mode, ulysses_group, layout, stream_length)
     kernel_name = _choose_kernel(backend, mode, q)
@@ -248,10 +250,10 @@ def attend_on_shards(
     if mode == AttentionMode.ULYSSES.value:
         tokens = geometry.gathered_tokens(layout, stream_length)
         attend = functools.partial(_attend_whole_sequence, tokens=tokens, packed=packed, causal=causal, scale=scale,
-                                   kernel_name=kernel_name)  # fmt: skip
+                                   kernel_name=kernel_name, known_finite=known_finite)  # fmt: skip
         return attend(q, k, v) if cp_group is None else head_parallel(q, k, v, cp_group, mode, attend)
     if mode == AttentionMode.HYBRID.value:
-        kernel = _KERNELS[kernel_name]
+        kernel = _block_kernel(kernel_name, known_finite)
         plan = _block_plan(geometry, ring_group.rank(), causal, q.device, plan_profile(kernel))
         attend = functools.partial(context_parallel_attention, cp_group=ring_group, plan=plan, scale=scale,
                                    mode="ring", kernel=kernel)  # fmt: skip
@@ -259,13 +261,28 @@ def attend_on_shards(
     rank = 0 if cp_group is None else comm.group_rank(cp_group)
     if kernel_name == "flash_attn":
         return _flash_attention(q, k, v, cp_group, geometry.rank_tokens, rank, packed, causal, scale)
-    kernel = _KERNELS[kernel_name]
+    kernel = _block_kernel(kernel_name, known_finite)
     plan = _block_plan(geometry, rank, causal, q.device, plan_profile(kernel))
     return context_parallel_attention(q, k, v, cp_group, plan, scale=scale, mode=mode, kernel=kernel)
 
 
+def _block_kernel(name: str, known_finite: bool) -> BlockKernel:
+    """The block kernel ``name``; without its non-finite guard where the inputs are known to be finite."""
+    kernel = _KERNELS[name]
+    return dataclasses.replace(kernel, needs_finite_inputs=False) if known_finite else kernel
+
+
 def _attend_whole_sequence(
-    q: Tensor, k: Tensor, v: Tensor, *, tokens: RankTokens, packed: bool, causal: bool, scale: float, kernel_name: str
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    tokens: RankTokens,
+    packed: bool,
+    causal: bool,
+    scale: float,
+    kernel_name: str,
+    known_finite: bool = False,
 ) -> Tensor:
     """One-rank attention over a whole gathered sequence that ``tokens`` describe in gathered order."""
     profile = plan_profile(_KERNELS.get(kernel_name, MATH))  # flash-attn takes no block plan
@@ -276,7 +293,7 @@ def _attend_whole_sequence(
         out = _flash_attention(q, k, v, None, (natural,), 0, packed, causal, scale)
     else:
         out = context_parallel_attention(
-            q, k, v, None, plan, scale=scale, mode="allgather", kernel=_KERNELS[kernel_name]
+            q, k, v, None, plan, scale=scale, mode="allgather", kernel=_block_kernel(kernel_name, known_finite)
         )
     return out if from_natural is None else out.index_select(0, from_natural)
 
@@ -429,7 +446,7 @@ class _LocalKV:
             visit(0, index, k[rows], v[rows], grads[0][rows], grads[1][rows])
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _KVMessage:
     """One source's K/V rows as an exchange sends them: ``flat`` (what goes over the wire) holds ``kv`` ``[2, rows,
     ...]`` and, with a ``flag``, one more element, 0 when the owner's rows are all finite and NaN when not, so the
