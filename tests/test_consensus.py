@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from lightning_cp import ContextParallelRuntime, ContextParallelSetting
 from lightning_cp.attention import zigzag_attention
+from lightning_cp.core import comm
 from lightning_cp.core.mesh import ParallelDims, build_context_parallel_mesh
 from lightning_cp.packed import PackedSeqParams
 from tests.distributed_harness import assert_same_error_on_every_rank
@@ -71,3 +72,18 @@ def _batches_that_differ() -> None:
 def test_replica_batches_that_differ_between_ranks() -> None:
     assert_same_error_on_every_rank(_batches_that_differ, 2, match="the replica batch: the ranks of the group were "
                                     "given different cu_seqlens", timeout=60)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("backend", "expected"),
+    [("gloo", "cpu"), ("cpu:gloo,cuda:nccl", "cpu"), ("mpi", "cpu"), ("nccl", "cuda:0"), ("xccl", "xpu:0")],
+)
+def test_the_consensus_fingerprint_goes_where_the_group_can_reduce_it(
+    backend: str, expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An NCCL-only group reduces only accelerator tensors, so the fingerprint goes to the current accelerator."""
+    accelerator = torch.device(expected.split(":")[0])
+    monkeypatch.setattr(comm.dist, "get_backend", lambda group: backend)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: accelerator)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    assert comm._bookkeeping_device(dist.group.WORLD) == torch.device(expected)

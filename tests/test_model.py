@@ -47,6 +47,20 @@ def test_rotary_scores_depend_only_on_the_position_difference() -> None:
     assert torch.linalg.norm(apply_rotary(q, cos, sin)) == pytest.approx(float(torch.linalg.norm(q)))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rotary_angles_of_far_positions_survive_half_precision(dtype: torch.dtype) -> None:
+    """Far positions in a half precision: cos/sin are float32 values rounded once, not taken at a rounded position
+    (bf16 holds 40001 as 39936; fp16 has no 65535)."""
+    positions = torch.tensor([[1001, 40001, 65535]])
+    cos, sin = rotary_cos_sin(positions, 64, 10000.0, dtype)
+    exact_cos, exact_sin = rotary_cos_sin(positions, 64, 10000.0, torch.float64)
+    assert cos.dtype == sin.dtype == dtype
+    # one rounding to ``dtype`` (at most half its eps) after float32 angles (at most half an ulp of the largest)
+    rounding = torch.finfo(dtype).eps / 2 + float(positions.max()) * 2.0**-24
+    assert (cos.double() - exact_cos).abs().max() <= rounding
+    assert (sin.double() - exact_sin).abs().max() <= rounding
+
+
 def test_packed_documents_do_not_see_each_other() -> None:
     model = _model()
     first, second = list(range(40, 53)), list(range(60, 69))

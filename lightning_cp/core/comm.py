@@ -130,11 +130,25 @@ def differing_fields(fingerprint: Sequence[int], group: ProcessGroup | None) -> 
     """
     if group is None or group.size() == 1:
         return []
-    values = torch.tensor(list(fingerprint), dtype=torch.int64)
+    values = torch.tensor(list(fingerprint), dtype=torch.int64, device=_bookkeeping_device(group))
     extremes = torch.cat([values, -values])
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
     highest, lowest = extremes[: len(values)], -extremes[len(values) :]
     return torch.nonzero(highest != lowest).flatten().tolist()
+
+
+def _bookkeeping_device(group: ProcessGroup) -> torch.device:
+    """Where a few integers go through ``group``: the host when one of its backends reaches it (gloo, MPI), else the
+    current accelerator (an NCCL-only group cannot reduce host tensors)."""
+    backend = dist.get_backend(group)
+    if ":" in backend:  # "cpu:gloo,cuda:nccl": a backend per device type
+        device_types = [pair.split(":")[0] for pair in backend.split(",")]
+    else:
+        device_types = dist.Backend.backend_capability.get(backend, ["cpu"])
+    if "cpu" in device_types:
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

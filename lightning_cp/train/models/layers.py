@@ -10,12 +10,15 @@ from lightning_cp.core.functional import cp_attention
 
 
 def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple:
-    """Return ``cos, sin`` ``[B, S, 1, head_dim]`` for the (global, per-document) ``position_ids`` ``[B, S]``."""
+    """Return ``cos, sin`` ``[B, S, 1, head_dim]`` in ``dtype`` for the (global, per-document) ``position_ids``
+    ``[B, S]``. The angles are computed in at least float32: half precisions cannot even hold the positions (bf16
+    rounds 1001 to 1000, fp16 overflows at 65520)."""
+    exact = torch.float64 if dtype == torch.float64 else torch.float32
     exponent = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float64) / head_dim
-    inv_freq = (1.0 / theta**exponent).to(dtype)
-    angles = position_ids.to(dtype).unsqueeze(-1) * inv_freq
+    inv_freq = (1.0 / theta**exponent).to(exact)
+    angles = position_ids.to(exact).unsqueeze(-1) * inv_freq
     angles = torch.cat([angles, angles], dim=-1).unsqueeze(2)
-    return angles.cos(), angles.sin()
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
