@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy, PackedSeqParams, cp_attention
 from lightning_cp.core.layout.api import CPLayout
 from lightning_cp.core.runtime import select_layers
+from lightning_cp.core.sharding import shard_replica_batch
 from lightning_cp.core.step import ContextParallelStep, activated
 from tests.distributed_harness import run_on_ranks
 from tests.model_helpers import (
@@ -143,6 +144,18 @@ def test_a_batch_that_is_not_a_dict_is_refused() -> None:
     callback = ContextParallelLayoutCallback()
     with pytest.raises(TypeError, match="needs dict batches"):
         callback.on_train_batch_start(None, TinyTransformer(), [torch.zeros(1, 4)], 0)  # type: ignore[arg-type]
+
+
+def test_bidirectional_dense_attention_without_cp_sees_no_padding() -> None:
+    """cp=1: an odd dense row is not padded (no zigzag chunks), and a step whose rows were padded refuses a
+    bidirectional layer instead of letting real tokens attend to the padding."""
+    batch = {"input_ids": torch.arange(7).unsqueeze(0)}
+    assert shard_replica_batch(batch).padding_token_count == 0
+    q = torch.randn(1, 8, 2, 4)
+    with activated(ContextParallelStep(dense_padding=1)):
+        with pytest.raises(ValueError, match="would see 1 padding tokens per row: make the sequence length divisible"):
+            cp_attention(q, q, q, causal=False)
+        assert cp_attention(q, q, q, causal=True).shape == q.shape
 
 
 @pytest.mark.parametrize("causal", [True, False])

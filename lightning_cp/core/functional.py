@@ -13,7 +13,7 @@ from lightning_cp.core.attention.api import (
 )
 from lightning_cp.core.packed import host_offsets
 from lightning_cp.core.step import active_step
-from lightning_cp.core.zigzag import CPLayout
+from lightning_cp.core.zigzag import CPLayout, contiguous_padding_multiple
 
 
 def local_attention(
@@ -64,14 +64,15 @@ def cp_attention(
     step = active_step()
     if step is not None:
         step.attention_calls += 1
+    if step is not None and not causal and not step.is_packed and step.dense_padding:
+        multiple = contiguous_padding_multiple(step.cp_size, step.setting.mesh.tp_size, packed=False)
+        raise ValueError(
+            f"bidirectional dense attention would see {step.dense_padding} padding tokens per row: make the sequence "
+            f"length divisible by {multiple} or use packed batches"
+        )
     if step is None or step.cp_size == 1:
         cu_seqlens = step.contiguous_packed_seq_params.cu_seqlens_q if step is not None and step.is_packed else None
         return local_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
-    if not causal and not step.is_packed and step.dense_padding:
-        raise ValueError(
-            f"bidirectional dense attention would see {step.dense_padding} padding tokens per row: make the sequence "
-            f"length divisible by 2 x cp x tp or use packed batches"
-        )
     layout = step.current_layout
     mode = step.attention_mode
     head_exchange = mode == AttentionMode.ULYSSES.value  # attends in any layout: no conversion
