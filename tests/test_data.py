@@ -10,6 +10,7 @@ import random
 from pathlib import Path
 from types import SimpleNamespace
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -164,6 +165,34 @@ def test_datamodule_batches_follow_the_contract_and_resume_in_order() -> None:
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(batches[12:], resumed, strict=True))
     val, again = list(dm.val_dataloader()), list(dm.val_dataloader())
     assert val and all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(val, again, strict=True))
+
+
+class _TokenCounter(pl.LightningModule):
+    """The least module a Trainer fits on the datamodule's batches: one weight, a loss over the batch's tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(()))
+        self.tokens = 0
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        self.tokens += batch["input_ids"].numel()
+        return self.weight * batch["input_ids"].float().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_a_single_device_trainer_fits_on_the_datamodule() -> None:
+    """A plain ``Trainer`` on one device (a strategy without sampler arguments) serves one replica's batches."""
+    dm = PackedTextDataModule(tokens_per_sample=256, samples_per_batch=2, seed=5)
+    module = _TokenCounter()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=dm)
+    assert trainer.global_step == 3 and module.tokens == 3 * 2 * 256
 
 
 def test_dense_mode_cuts_fixed_rows() -> None:

@@ -402,8 +402,10 @@ class PackedTextDataModule(pl.LightningDataModule):
         return None
 
     def _replicas(self) -> tuple[int, int]:
-        """Return ``(num_replicas, rank)`` of the data-parallel split."""
-        kwargs = self.trainer.strategy.distributed_sampler_kwargs if self.trainer is not None else None
+        """Return ``(num_replicas, rank)`` of the data-parallel split (one replica under a single-device strategy,
+        which has no sampler arguments)."""
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        kwargs = getattr(strategy, "distributed_sampler_kwargs", None)
         return (kwargs["num_replicas"], kwargs["rank"]) if kwargs else (1, 0)
 
     def _loader(self, samples: Dataset, sampler: ResumableSampler) -> DataLoader:
