@@ -90,7 +90,7 @@ class _ChunkLossSum(torch.autograd.Function):
         target_logits = logits.gather(1, targets.unsqueeze(1)).squeeze(1).to(accumulate)
         ctx.save_for_backward(logits, lse, targets, valid)
         ctx.reusable = _logits_reusable(logits)
-        return ((lse - target_logits) * valid).sum().to(logits.dtype)
+        return ((lse - target_logits) * valid).sum()  # in the accumulation dtype, as cross-entropy under autocast
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
