@@ -51,12 +51,17 @@ def resolve_parallel_dims(
             f"data_parallel_size={data_parallel_size} does not fit world size {world_size}: it must be world size / "
             f"(context_parallel_size x tensor_parallel_size) = {world_size} / {model_parallel} = {replicas}"
         )
+    check_ulysses_size(context_parallel_size, ulysses_size)
+    return ParallelDims(replicas, context_parallel_size, tensor_parallel_size, ulysses_size)
+
+
+def check_ulysses_size(context_parallel_size: int, ulysses_size: int) -> None:
+    """Check that a Ulysses part (above 1: hybrid attention) divides cp and leaves a ring of at least two."""
     if ulysses_size > 1 and (context_parallel_size % ulysses_size or ulysses_size == context_parallel_size):
         raise ValueError(
             f"ulysses_size={ulysses_size} must divide context_parallel_size={context_parallel_size} and be smaller "
             f"(hybrid needs ulysses_size x ring = cp with ring >= 2; use attention_mode='ulysses' for ulysses = cp)"
         )
-    return ParallelDims(replicas, context_parallel_size, tensor_parallel_size, ulysses_size)
 
 
 def validate_parallel_sizes(

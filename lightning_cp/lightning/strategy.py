@@ -32,6 +32,7 @@ from lightning_cp.core.attention.cost import choose_attention_mode, model_head_c
 from lightning_cp.core.mesh import (
     ContextParallelMesh,
     build_context_parallel_mesh,
+    check_ulysses_size,
     resolve_parallel_dims,
     validate_parallel_sizes,
 )
@@ -40,6 +41,27 @@ from lightning_cp.core.step import ContextParallelSetting
 from lightning_cp.core.zigzag import LAYOUT_NAMES
 from lightning_cp.lightning import fsdp, state
 from lightning_cp.lightning.callback import ContextParallelLayoutCallback
+
+
+def check_attention_settings(
+    attention_mode: str, ulysses_size: int | None, sequence_parallel: bool, context_parallel_size: int | None
+) -> None:
+    """Check the strategy's attention arguments as far as they need no world size (``context_parallel_size`` None:
+    not known yet); raise ``ValueError`` naming them. The strategy checks them when made, a run's config earlier."""
+    if attention_mode not in (*MODES, "auto"):
+        expected = ", ".join(repr(mode) for mode in (*MODES, "auto"))
+        raise ValueError(f"attention_mode={attention_mode!r} is invalid: expected one of {expected}")
+    hybrid = attention_mode == AttentionMode.HYBRID.value
+    bad_size = isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 2
+    if hybrid != (ulysses_size is not None) or (ulysses_size is not None and bad_size):
+        raise ValueError(
+            f"attention_mode={attention_mode!r} with ulysses_size={ulysses_size!r}: 'hybrid' needs an integer "
+            "ulysses_size >= 2, the other modes take none ('auto' picks its own)"
+        )
+    if hybrid and sequence_parallel:
+        raise ValueError("attention_mode='hybrid' does not combine with sequence_parallel=True")
+    if hybrid and context_parallel_size is not None:
+        check_ulysses_size(context_parallel_size, ulysses_size)
 
 
 class CPZigzagStrategy(DDPStrategy):
@@ -105,19 +127,7 @@ class CPZigzagStrategy(DDPStrategy):
         validate_parallel_sizes(context_parallel_size, tensor_parallel_size, data_parallel_size, sequence_parallel)
         if boundary_layout not in LAYOUT_NAMES:
             raise ValueError(f"boundary_layout={boundary_layout!r} is invalid: expected 'contiguous' or 'zigzag'")
-        if attention_mode not in (*MODES, "auto"):
-            expected = ", ".join(repr(mode) for mode in (*MODES, "auto"))
-            raise ValueError(f"attention_mode={attention_mode!r} is invalid: expected one of {expected}")
-        hybrid = attention_mode == AttentionMode.HYBRID.value
-        bad_size = isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 2
-        mismatch = hybrid != (ulysses_size is not None)
-        if mismatch or (ulysses_size is not None and bad_size):
-            raise ValueError(
-                f"attention_mode={attention_mode!r} with ulysses_size={ulysses_size!r}: 'hybrid' needs an integer "
-                "ulysses_size >= 2, the other modes take none ('auto' picks its own)"
-            )
-        if hybrid and sequence_parallel:
-            raise ValueError("attention_mode='hybrid' does not combine with sequence_parallel=True")
+        check_attention_settings(attention_mode, ulysses_size, sequence_parallel, context_parallel_size)
         if data_parallel not in fsdp.DATA_PARALLEL_MODES:
             raise ValueError(f"data_parallel={data_parallel!r} is invalid: expected 'ddp' or 'fsdp'")
         if tensor_parallel_size != 1 and data_parallel != "fsdp":

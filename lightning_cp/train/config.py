@@ -18,6 +18,7 @@ from lightning_cp.core.attention.api import MODES
 from lightning_cp.core.runtime import LayerPolicy
 from lightning_cp.core.zigzag import LAYOUT_NAMES
 from lightning_cp.lightning.fsdp import DATA_PARALLEL_MODES
+from lightning_cp.lightning.strategy import check_attention_settings
 from lightning_cp.train.models.llama import LlamaConfig
 from lightning_cp.train.models.parallelize import check_tensor_parallel_size
 
@@ -321,9 +322,17 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"strategy.context_parallel_size: got {cp}; expected an integer >= 1 or null")
     devices = cfg.trainer.devices
     per_node = len(devices) if OmegaConf.is_list(devices) else devices
-    if isinstance(per_node, int) and not isinstance(per_node, bool) and per_node > 0:
+    tp = cfg.strategy.tensor_parallel_size
+    known_devices = isinstance(per_node, int) and not isinstance(per_node, bool) and per_node > 0
+    try:
+        cp_known = cp or (max(1, per_node // tp) if known_devices else None)
+        check_attention_settings(
+            strategy.attention_mode.value, strategy.ulysses_size, strategy.sequence_parallel, cp_known
+        )
+    except ValueError as error:
+        raise ConfigError(f"strategy.{error}") from None
+    if known_devices:
         world = per_node * cfg.trainer.num_nodes
-        tp = cfg.strategy.tensor_parallel_size
         group = (cp or max(1, per_node // tp)) * tp
         if world % group:
             raise ConfigError(
