@@ -397,6 +397,11 @@ def load_config(config_file: str | None = None, overrides: list[str] | tuple[str
         for origin, layer in layers:
             model_layer = layer.get("model") or {}
             given = [key for key in model_layer if key not in NOT_ARCHITECTURE and model_layer[key] != defaults[key]]
+            if given and given[0] in RUN_TIME_MODEL_KEYS:
+                raise ConfigError(
+                    f"model.{given[0]} (from {origin}) applies to the built-in model only: "
+                    f"model.pretrained={cfg.model.pretrained} makes its logits in its own forward; remove it"
+                )
             if given:
                 raise ConfigError(
                     f"model.{given[0]} (from {origin}) is an architecture key of the built-in model, but "
