@@ -53,6 +53,20 @@ def test_fsdp_and_tensor_parallel_runs_match_ddp_at_cp1(tmp_path: Path) -> None:
         assert_same(other_val, val, rel=1e-9)
 
 
+def test_validation_scores_every_sample_on_any_number_of_replicas(tmp_path: Path) -> None:
+    """89 validation samples: on 2 data-parallel replicas the last round is one sample (the other replica runs a
+    filler that scores nothing), and the step-0 validation loss is that of 1 replica, which scores each (float64)."""
+    small = [*PARITY, "trainer.max_steps=1", "trainer.limit_val_batches=1.0", "data.tokens_per_sample=512"]
+    small += ["data.samples_per_batch=1", "strategy.context_parallel_size=1"]
+    losses = []
+    for devices in (1, 2):
+        name = f"dp{devices}"
+        result = run_cli("fit", *small, f"trainer.devices={devices}", f"run.root={tmp_path}", f"run.name={name}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses.append(run_losses(tmp_path / name)[1][1][0])
+    assert_same([losses[1]], [losses[0]], rel=1e-12)
+
+
 def test_sharded_checkpoint_folder_resumes_under_another_layout(tmp_path: Path) -> None:
     """``checkpoint.distributed=true`` under fsdp cp2 writes folders; ddp cp1 resumes the step-3 one exactly."""
     saved = fit(tmp_path, "sharded", "trainer.devices=2", "strategy.data_parallel=fsdp", "checkpoint.distributed=true")

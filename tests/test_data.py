@@ -141,6 +141,40 @@ def test_sampler_is_deterministic_splits_over_replicas_and_resumes() -> None:
         ResumableSampler(3, 2, num_replicas=2)
 
 
+@pytest.mark.parametrize(("samples", "batch", "replicas"), [(9, 2, 2), (8, 2, 2), (5, 2, 3), (1, 4, 2), (7, 1, 4)])
+def test_a_complete_sampler_serves_every_sample_once_in_equal_steps(samples: int, batch: int, replicas: int) -> None:
+    """Evaluation: every sample exactly once over the replicas, the same number of batches on each; a replica the
+    last round does not reach gets the filler index ``samples`` (one, as its last batch)."""
+    served = [list(ResumableSampler(samples, batch, shuffle=False, num_replicas=replicas, rank=r, complete=True))
+              for r in range(replicas)]  # fmt: skip
+    real = sorted(index for mine in served for index in mine if index != samples)
+    assert real == list(range(samples))
+    steps = [math.ceil(len(mine) / batch) for mine in served]
+    assert steps == [math.ceil(samples / (batch * replicas))] * replicas
+    for mine in served:
+        fillers = [i for i, index in enumerate(mine) if index == samples]
+        assert fillers in ([], [len(mine) - 1]) and (len(mine) - 1) % batch == 0 if fillers else True  # alone
+    sampler = ResumableSampler(samples, batch, shuffle=False, num_replicas=replicas, rank=replicas - 1, complete=True)
+    assert len(sampler) == len(served[-1])
+
+
+def test_the_validation_loader_serves_every_sample_and_fillers_score_nothing() -> None:
+    """Validation batches hold every held-out sample once, the last one shorter; a filler batch has no target."""
+    dm = PackedTextDataModule(tokens_per_sample=512, samples_per_batch=2)
+    dm.setup("fit")
+    count = len(dm.val_samples)
+    assert count % 2, "an odd count, so the last batch is shorter"
+    dm.trainer = _fake_trainer(0)
+    batches = list(dm.val_dataloader())
+    assert len(batches) == math.ceil(count / 2)
+    served = torch.cat([batch["input_ids"][0] for batch in batches])
+    assert torch.equal(served, torch.cat([dm.val_samples[i].input_ids for i in range(count)]))
+    dm.trainer.strategy.distributed_sampler_kwargs = {"num_replicas": count + 1, "rank": count}
+    (filler,) = list(dm.val_dataloader())
+    assert torch.equal(filler["input_ids"][0], dm.val_samples[0].input_ids)
+    assert bool((filler["labels"] == -100).all())
+
+
 def _fake_trainer(global_step: int) -> SimpleNamespace:
     strategy = SimpleNamespace(distributed_sampler_kwargs=None)
     return SimpleNamespace(

@@ -20,21 +20,29 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
+import torch
 from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from lightning_cp.train.data.collate import collate_dense, collate_packed
-from lightning_cp.train.data.packing import DenseRows, PackedSamples, cumulative, ignored_ranges, plan_packs
+from lightning_cp.train.data.packing import (
+    DenseRows,
+    Pack,
+    PackedSamples,
+    cumulative,
+    ignored_ranges,
+    plan_packs,
+)
 from lightning_cp.train.data.sampler import ResumableSampler
 from lightning_cp.train.data.sources import EMBEDDED, describe_sources, iter_documents, split_documents
-from lightning_cp.train.data.tokenizer import ByteTokenizer, Example, Tokenizer, tokenize_example
+from lightning_cp.train.data.tokenizer import IGNORE_INDEX, ByteTokenizer, Example, Tokenizer, tokenize_example
 
 CACHE_ENV = "LIGHTNING_CP_DATA_CACHE"
 CACHE_FORMAT = 2
@@ -409,14 +417,15 @@ class PackedTextDataModule(pl.LightningDataModule):
         return (kwargs["num_replicas"], kwargs["rank"]) if kwargs else (1, 0)
 
     def _loader(self, samples: Dataset, sampler: ResumableSampler) -> DataLoader:
-        """Wrap samples in a DataLoader whose batches follow the batch contract."""
+        """Wrap samples in a DataLoader whose batches follow the batch contract (an evaluation sampler's last batch
+        may be shorter, or its filler)."""
         return DataLoader(
-            samples,
+            _WithFiller(samples) if sampler.complete else samples,
             batch_size=self.samples_per_batch,
             sampler=sampler,
             collate_fn=collate_packed if self.packed else collate_dense,
             num_workers=self.num_workers,
-            drop_last=True,
+            drop_last=not sampler.complete,
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -442,9 +451,34 @@ class PackedTextDataModule(pl.LightningDataModule):
         return self._loader(self.train_samples, sampler)
 
     def val_dataloader(self) -> DataLoader:
-        """Serve the held-out documents in a fixed order."""
+        """Serve every held-out sample once, in a fixed order, the same number of batches on every replica."""
         num_replicas, rank = self._replicas()
         sampler = ResumableSampler(
-            len(self.val_samples), self.samples_per_batch, shuffle=False, num_replicas=num_replicas, rank=rank
+            len(self.val_samples),
+            self.samples_per_batch,
+            shuffle=False,
+            num_replicas=num_replicas,
+            rank=rank,
+            complete=True,
         )
         return self._loader(self.val_samples, sampler)
+
+
+class _WithFiller(Dataset):
+    """``samples`` and, at index ``len(samples)``, sample 0 with every label ignored: what an evaluation sampler's
+    filler index loads, a step that runs like the others and scores nothing."""
+
+    def __init__(self, samples: Dataset) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples) + 1
+
+    def __getitem__(self, index: int) -> Any:
+        if index < len(self.samples):
+            return self.samples[index]
+        sample = self.samples[0]
+        if isinstance(sample, Pack):
+            return replace(sample, labels=torch.full_like(sample.labels, IGNORE_INDEX))
+        ids, labels = sample
+        return ids, torch.full_like(labels, IGNORE_INDEX)

@@ -15,6 +15,10 @@ class ResumableSampler(Sampler[int]):
     every replica gets whole batches. ``skip_batches(epoch, n)`` makes the next iteration of that epoch start at
     its ``n``-th batch, which is how a resumed run continues with the same data order. The length stays that of the
     whole epoch because Lightning restores how many batches of it were already done.
+
+    ``complete`` (evaluation): nothing is cut. The samples after the last whole round are dealt out round-robin as
+    one more, shorter batch per replica; a replica they do not reach gets ``num_samples``, a filler index for a
+    sample that scores nothing, so every replica runs the same number of steps (their collectives stay paired).
     """
 
     def __init__(
@@ -27,8 +31,9 @@ class ResumableSampler(Sampler[int]):
         passes: int = 1,
         num_replicas: int = 1,
         rank: int = 0,
+        complete: bool = False,
     ) -> None:
-        if num_samples < num_replicas * batch_size:
+        if num_samples < (1 if complete else num_replicas * batch_size):
             raise ValueError(
                 f"{num_samples} samples cannot fill one batch of {batch_size} on each of {num_replicas} replicas"
             )
@@ -39,13 +44,16 @@ class ResumableSampler(Sampler[int]):
         self.passes = passes
         self.num_replicas = num_replicas
         self.rank = rank
+        self.complete = complete
         self.epoch = 0
         self._skip: dict[int, int] = {}
 
     @property
     def batches_per_epoch(self) -> int:
         """Number of batches each replica sees per epoch."""
-        return self.passes * self.num_samples // (self.num_replicas * self.batch_size)
+        per_round = self.num_replicas * self.batch_size
+        total = self.passes * self.num_samples
+        return -(-total // per_round) if self.complete else total // per_round
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next iteration yields (Lightning calls this)."""
@@ -64,12 +72,24 @@ class ResumableSampler(Sampler[int]):
                 orders.append(torch.randperm(self.num_samples, generator=generator))
             else:
                 orders.append(torch.arange(self.num_samples))
-        return torch.cat(orders)[: self.batches_per_epoch * self.num_replicas * self.batch_size]
+        stream = torch.cat(orders)
+        return stream if self.complete else stream[: self.batches_per_epoch * self.num_replicas * self.batch_size]
+
+    def _mine(self) -> torch.Tensor:
+        """This replica's samples of the current epoch, in order (with ``complete``, a filler where the last round
+        leaves it none)."""
+        stream = self._stream()
+        if not self.complete:
+            return stream[self.rank :: self.num_replicas]
+        whole = stream.numel() // (self.num_replicas * self.batch_size) * self.num_replicas * self.batch_size
+        rest = stream[whole:][self.rank :: self.num_replicas]
+        if whole < stream.numel() and rest.numel() == 0:
+            rest = torch.tensor([self.num_samples])
+        return torch.cat([stream[:whole][self.rank :: self.num_replicas], rest])
 
     def __iter__(self) -> Iterator[int]:
-        mine = self._stream()[self.rank :: self.num_replicas]
         start = self._skip.get(self.epoch, 0) * self.batch_size
-        return iter(mine[start:].tolist())
+        return iter(self._mine()[start:].tolist())
 
     def __len__(self) -> int:
-        return self.batches_per_epoch * self.batch_size
+        return self._mine().numel() if self.complete else self.batches_per_epoch * self.batch_size
