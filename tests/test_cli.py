@@ -179,3 +179,17 @@ def test_bad_config_gives_one_clear_line_and_exit_code_2(overrides: list[str], m
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and result.stdout == ""
     assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"lightning-cp: error: {message}")
+
+
+@pytest.mark.parametrize("unit", ["byte", "token"])
+def test_the_loss_plot_names_the_unit_of_the_run_tokenizer(unit: str, tmp_path, monkeypatch) -> None:
+    """The y axis says nats per byte for the byte tokenizer and per token for a Hugging Face one."""
+    from matplotlib.figure import Figure
+
+    from lightning_cp.train import runfolder
+
+    (tmp_path / runfolder.METRICS_FILE).write_text("step,train_loss,trained_steps,val_loss\n0,5.0,,\n,,0,4.0\n")
+    labels = []
+    monkeypatch.setattr(Figure, "savefig", lambda figure, *args, **kwargs: labels.append(figure.axes[0].get_ylabel()))
+    runfolder.plot_losses(tmp_path, unit)
+    assert labels == [f"cross-entropy (nats per {unit})"]

@@ -147,13 +147,21 @@ def test_a_pretrained_model_takes_saved_configs_but_no_changed_architecture() ->
         (["strategy.attention_mode=hybrid"], r"strategy.attention_mode='hybrid' with ulysses_size=None: 'hybrid'"),
         (["strategy.ulysses_size=2"], r"strategy.attention_mode='allgather' with ulysses_size=2: .* take none"),
         (
-            ["trainer.devices=6", "strategy.context_parallel_size=6", "strategy.attention_mode=hybrid",
-             "strategy.ulysses_size=4"],
+            [
+                "trainer.devices=6",
+                "strategy.context_parallel_size=6",
+                "strategy.attention_mode=hybrid",
+                "strategy.ulysses_size=4",
+            ],
             r"strategy.ulysses_size=4 must divide context_parallel_size=6",
         ),
         (
-            ["trainer.devices=4", "strategy.context_parallel_size=null", "strategy.attention_mode=hybrid",
-             "strategy.ulysses_size=4"],
+            [
+                "trainer.devices=4",
+                "strategy.context_parallel_size=null",
+                "strategy.attention_mode=hybrid",
+                "strategy.ulysses_size=4",
+            ],
             r"strategy.ulysses_size=4 must divide context_parallel_size=4 and be smaller",
         ),
         (

@@ -228,8 +228,9 @@ def loss_series(rows: list[dict[str, str]], column: str, step_column: str = "ste
     return [s for s, _ in points], [v for _, v in points]
 
 
-def plot_losses(run_dir: Path) -> Path:
-    """Plot train and validation loss against the step into ``loss.png`` (matplotlib, Agg backend)."""
+def plot_losses(run_dir: Path, unit: str = "token") -> Path:
+    """Plot train and validation loss (nats per ``unit``: what a token of the run's tokenizer is) against the step
+    into ``loss.png`` (matplotlib, Agg backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -242,7 +243,7 @@ def plot_losses(run_dir: Path) -> Path:
     steps, values = loss_series(rows, "val_loss", step_column=VAL_STEP)
     ax.plot(steps, values, "o-", label="validation loss", markersize=4, linewidth=1.5)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy (nats per byte)")
+    ax.set_ylabel(f"cross-entropy (nats per {unit})")
     ax.set_title(f"lightning-cp fit: {run_dir.name}")
     ax.grid(alpha=0.3)
     ax.legend()
