@@ -139,16 +139,13 @@ def differing_fields(fingerprint: Sequence[int], group: ProcessGroup | None) -> 
 
 def _bookkeeping_device(group: ProcessGroup) -> torch.device:
     """Where a few integers go through ``group``: the host when one of its backends reaches it (gloo, MPI), else the
-    current accelerator (an NCCL-only group cannot reduce host tensors)."""
+    current device of its accelerator (an NCCL-only group cannot reduce host tensors)."""
     backend = dist.get_backend(group)
     if ":" in backend:  # "cpu:gloo,cuda:nccl": a backend per device type
         device_types = [pair.split(":")[0] for pair in backend.split(",")]
     else:
         device_types = dist.Backend.backend_capability.get(backend, ["cpu"])
-    if "cpu" in device_types:
-        return torch.device("cpu")
-    accelerator = torch.accelerator.current_accelerator()
-    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+    return torch.device("cpu" if "cpu" in device_types else device_types[0])  # no index: the current device
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

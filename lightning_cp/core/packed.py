@@ -69,8 +69,8 @@ def host_copies(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
             copies[id(tensor)] = cached[0]
     if missing:
         host = torch.cat([t.reshape(-1) for t in missing]).cpu().split([t.numel() for t in missing])
-        for tensor, copy in zip(missing, host, strict=True):
-            copies[id(tensor)] = copy.view(tensor.shape)
+        for tensor, copy in zip(missing, host, strict=True):  # one transfer; each copy back in its own dtype
+            copies[id(tensor)] = copy.view(tensor.shape).to(tensor.dtype)
             remember_host_copy(tensor, copies[id(tensor)])
     return [t if t is None or t.device.type == "cpu" else copies[id(t)] for t in tensors]
 
