@@ -48,7 +48,7 @@ def test_defaults_then_file_then_overrides(tmp_path) -> None:
             ["strategy.attention_mode=tree"],
             r"strategy.attention_mode: got 'tree'; expected one of allgather, ring, ulysses, hybrid",
         ),
-        (["trainer.precision=64"], r"trainer.precision: got '64'; expected one of 64-true"),
+        (["trainer.precision=8"], r"trainer.precision: got '8'; expected one of 64-true"),
         (["trainer.devices=3"], r"world size 3 .* not divisible by .* = 2"),
         (["trainer.devices=4", "strategy.tensor_parallel_size=3"], r"world size 4 .* = 6"),
         (["model.num_layers=0"], r"model.num_layers: got 0; expected an integer >= 1"),
@@ -108,6 +108,10 @@ def test_a_choice_given_as_a_number_finds_its_spelling(tmp_path) -> None:
     path.write_text("trainer:\n  precision: 32\n")
     assert plain(load_config(str(path)).trainer)["precision"] == "32"
     assert plain(load_config(None, ["trainer.precision=32"]).trainer)["precision"] == "32"
+    path.write_text("trainer:\n  precision: 64\n")
+    assert plain(load_config(str(path)).trainer)["precision"] == "64-true"
+    for alias, choice in (("64", "64-true"), ("16", "16-mixed"), ("bf16", "bf16-mixed")):  # as Lightning reads them
+        assert plain(load_config(None, [f"trainer.precision={alias}"]).trainer)["precision"] == choice
 
 
 def test_a_pretrained_model_takes_saved_configs_but_no_changed_architecture() -> None:

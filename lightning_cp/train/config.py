@@ -23,18 +23,24 @@ from lightning_cp.train.models.llama import LlamaConfig
 from lightning_cp.train.models.parallelize import check_tensor_parallel_size
 
 
-def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
+def _choices(name: str, values: tuple[str, ...], aliases: dict[str, str] | None = None) -> type[Enum]:
     """An Enum whose member names are the accepted strings, so omegaconf checks them and YAML shows them plainly.
 
-    A number given in YAML or on the command line (``trainer.precision=32``) finds the member of that spelling.
+    A number given in YAML or on the command line (``trainer.precision=32``) finds the member of that spelling, an
+    alias (``trainer.precision=16``, as Lightning reads it) the member it stands for.
     """
     choices = Enum(name, [(value, value) for value in values], type=str)
-    choices._missing_ = classmethod(lambda cls, value: cls._value2member_map_.get(str(value)))
+    spellings = {**(aliases or {}), **{value: value for value in values}}
+    choices._missing_ = classmethod(lambda cls, value: cls._value2member_map_.get(spellings.get(str(value), "")))
     return choices
 
 
 Accelerator = _choices("Accelerator", ("cpu", "gpu", "cuda", "auto"))
-Precision = _choices("Precision", ("64-true", "32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true"))
+Precision = _choices(
+    "Precision",
+    ("64-true", "32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true"),
+    aliases={"64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"},
+)
 BoundaryLayout = _choices("BoundaryLayout", LAYOUT_NAMES)
 AttentionMode = _choices("AttentionMode", (*MODES, "auto"))
 ProcessGroupBackend = _choices("ProcessGroupBackend", ("gloo", "nccl"))

@@ -150,7 +150,8 @@ def zigzag_attention(
     call's shapes, dtypes, options and offsets over ``cp_group`` (one tiny all-reduce), so inputs that differ between
     ranks give the same ``ValueError`` everywhere instead of a crash, a hang or garbage; and reject NaN or infinite
     values in ``q``/``k``/``v`` the same way (their effect would depend on the kernel and the sharding). Without it
-    no data is read: non-finite values give NaN rows, never wrong finite ones.
+    nothing is compared between ranks: non-finite values give NaN rows, never wrong finite ones (a kernel that needs
+    finite inputs checks them on the device).
     """
     non_finite: tuple[str, ...] = ()
     if check_consensus:
