@@ -104,7 +104,7 @@ class Timers:
         gather.forward = staticmethod(self.wrap("attention_comm", gather.forward))
         gather.backward = staticmethod(self.wrap("attention_comm", gather.backward))
         comm.ring_shift = self.wrap("attention_comm", comm.ring_shift)
-        comm.RingTransfer.wait = self.wrap("attention_comm", comm.RingTransfer.wait)
+        comm.Transfer.wait = self.wrap("attention_comm", comm.Transfer.wait)
 
 
 def measure(cp: int, seq: int, steps: int, attention_mode: str, timers: Timers) -> dict[str, Any]:

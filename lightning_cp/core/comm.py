@@ -98,11 +98,6 @@ def all_to_all_v(
     return _AllToAllV.apply(input_, tuple(output_split_sizes), tuple(input_split_sizes), group)
 
 
-def is_initialized() -> bool:
-    """Return whether the default process group is up."""
-    return dist.is_available() and dist.is_initialized()
-
-
 def original_class_name(module: torch.nn.Module) -> str:
     """Return the module's class name as its author wrote it (``fully_shard`` swaps in a class named ``FSDP<name>``)."""
     return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule)).__name__
@@ -217,9 +212,6 @@ class Transfer:
         if received is None:
             raise RuntimeError("Transfer.wait() called twice")
         return received
-
-
-RingTransfer = Transfer  # the name benchmarks/train_bench.py times attention communication by
 
 
 def ring_shift(

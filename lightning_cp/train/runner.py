@@ -232,11 +232,6 @@ def check_checkpoint_fits(cfg: DictConfig, path: str, key: str) -> dict[str, Any
     return checkpoint
 
 
-def check_runnable(cfg: DictConfig) -> None:
-    """Refuse, before any process starts, what the main job cannot run: data that does not exist."""
-    check_data_sources(cfg)
-
-
 def check_data_sources(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for a data source path that does not exist."""
     for key in ("sources", "val_sources"):
@@ -273,7 +268,6 @@ def prepare_data_first(cfg: DictConfig, datamodule: PackedTextDataModule, stage:
 
 def prepare_run(cfg: DictConfig) -> tuple[Path, str | None]:
     """Resolve the run folder and checkpoints and check them; on rank 0 save the config and trim stale metrics."""
-    check_runnable(cfg)
     run_dir = runfolder.resolve_run_dir(cfg)
     runfolder.check_fresh_or_resumed(run_dir, resuming=cfg.checkpoint.resume_from is not None)
     resume = runfolder.resolve_checkpoint(cfg.checkpoint.resume_from, run_dir, is_readable_checkpoint)
@@ -319,7 +313,7 @@ def fit(cfg: DictConfig) -> Path:
 def validate(cfg: DictConfig) -> float:
     """Return the validation loss of the checkpoint named by ``resume_from`` or ``init_from``."""
     check_main_port()
-    check_runnable(cfg)
+    check_data_sources(cfg)
     run_dir = runfolder.resolve_run_dir(cfg)
     ckpt = runfolder.resolve_checkpoint(
         cfg.checkpoint.resume_from or cfg.checkpoint.init_from, run_dir, is_readable_checkpoint

@@ -155,11 +155,6 @@ def first_fit(lengths: Sequence[int], budget: int) -> list[list[Piece]]:
     return [pieces[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def cu_seqlens_of(lengths: Sequence[int]) -> torch.Tensor:
-    """Return the int32 cumulative offsets ``(0, l0, l0 + l1, ...)`` of ``lengths``."""
-    return torch.from_numpy(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32))
-
-
 @dataclass(frozen=True)
 class _MappedFile:
     """Where a memory-mapped array lives, to map it again in another process."""

@@ -95,11 +95,6 @@ def iter_jsonl(path: Path, advance: Advance | None = None) -> Iterator[Example]:
         raise ValueError(f"{path}: holds no examples")
 
 
-def read_jsonl(path: Path) -> list[Example]:
-    """Return the examples of a JSONL file (``iter_jsonl``)."""
-    return list(iter_jsonl(path))
-
-
 def source_files(path: Path) -> list[Path]:
     """Return the file ``path``, or the text and JSONL files of the folder ``path`` in sorted order."""
     if path.is_dir():
@@ -131,11 +126,6 @@ def iter_path(path: Path, advance: Advance | None = None) -> Iterator[Example]:
             yield from iter_jsonl(file, advance)
         else:
             yield _read_text(file, advance)
-
-
-def read_path(path: Path) -> list[Example]:
-    """Return the documents of one file or folder (``iter_path``)."""
-    return list(iter_path(path))
 
 
 def iter_documents(sources: Sequence[str], advance: Advance | None = None) -> Iterator[Example]:
