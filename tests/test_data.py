@@ -439,17 +439,22 @@ def test_a_split_too_small_for_one_batch_is_one_clear_error(tmp_path: Path) -> N
     source = _mixed_jsonl(tmp_path / "a.jsonl", 100, seed=7)
     dm = PackedTextDataModule([source], tokens_per_sample=256, samples_per_batch=3)
     dm.setup("fit")
-    count = len(dm.val_samples)
+    count = len(dm.train_samples)
     two_replicas = SimpleNamespace(strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": 0}))
     dm.samples_per_batch = count
     dm.trainer = two_replicas
     with pytest.raises(ValueError, match=rf"samples_per_batch={count} on 2 data-parallel replicas needs {2 * count} "):
-        dm.setup("validate")
-    message = dm.size_problem(2, train=False)
-    assert f"validation documents pack into {count} sample(s)" in message and "at most" in message
+        dm.setup("fit")
+    message = dm.size_problem(2, val=False)
+    assert f"training documents pack into {count} sample(s)" in message and "at most" in message
+    dm.setup("validate")  # validation serves any number of samples, here fewer than one batch per replica
+    assert len(dm.val_samples) < 2 * count and dm.size_problem(2, train=False) is None
     dense = PackedTextDataModule([source], tokens_per_sample=10**7, packed=False)
     with pytest.raises(ValueError, match=r"data.tokens_per_sample=10000000 tokens \(data.packed=false\)"):
         dense.setup("fit")
+    tokens = dense.val_samples.segments.num_tokens
+    with pytest.raises(ValueError, match=rf"validation needs 1 validation sample .* at most {tokens}, or raise"):
+        dense.setup("validate")
     (tmp_path / "one.txt").write_text("a single document")
     with pytest.raises(ValueError, match=r"training split holds no tokens \(data.val_fraction=0.1 holds out"):
         PackedTextDataModule([str(tmp_path / "one.txt")]).setup("fit")

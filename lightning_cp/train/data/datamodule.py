@@ -376,14 +376,15 @@ class PackedTextDataModule(pl.LightningDataModule):
         return DenseRows(store.tokens, arrays["src"], arrays["cum"], self.tokens_per_sample, store.ignored)
 
     def size_problem(self, num_replicas: int = 1, train: bool = True, val: bool = True) -> str | None:
-        """Describe, in one line naming the numbers and what to change, a split too small for one batch of
-        ``samples_per_batch`` samples on each of ``num_replicas`` data-parallel replicas (None: both fill one)."""
-        need = self.samples_per_batch * num_replicas
-        asked = f"data.samples_per_batch={self.samples_per_batch}"
+        """Describe, in one line naming the numbers and what to change, a training split too small for one batch of
+        ``samples_per_batch`` samples on each of ``num_replicas`` data-parallel replicas, or a validation split with
+        tokens but no sample (validation serves any number of samples on any number of replicas); None if neither."""
+        training = f"data.samples_per_batch={self.samples_per_batch}"
         if num_replicas > 1:
-            asked += f" on {num_replicas} data-parallel replicas"
+            training += f" on {num_replicas} data-parallel replicas"
         budget = f"data.tokens_per_sample={self.tokens_per_sample}"
         for name, samples, check in (("training", self.train_samples, train), ("validation", self.val_samples, val)):
+            need, asked = (self.samples_per_batch * num_replicas, training) if name == "training" else (1, name)
             count = len(samples) if samples is not None else 0
             if not check or samples is None or count >= need:
                 continue
@@ -394,7 +395,9 @@ class PackedTextDataModule(pl.LightningDataModule):
                     f"the training split holds no tokens (data.val_fraction={self.val_fraction} holds out at least "
                     "one document): add documents, or set data.val_fraction=0 or data.val_sources"
                 )
-            fixes = [f"set data.samples_per_batch to at most {count // num_replicas}"] if count >= num_replicas else []
+            fixes = []
+            if name == "training" and count >= num_replicas:
+                fixes.append(f"set data.samples_per_batch to at most {count // num_replicas}")
             if self.packed:
                 made = f"the {name} documents pack into {count} sample(s) of {budget} tokens"
                 fixes.append("lower data.tokens_per_sample")
