@@ -111,11 +111,17 @@ class _Recorder(pl.Callback):
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
 
-def _fit(family: str, kind: str, world: int, strategy: dict[str, Any], checkpointing: bool) -> dict[str, Any]:
+def _fit(
+    family: str, kind: str, world: int, strategy: dict[str, Any], checkpointing: bool, loss_chunk_tokens: int = 0
+) -> dict[str, Any]:
     """Rank body: train ``STEPS`` steps of the unmodified model under ``cp_zigzag``; return losses and weights."""
     os.environ["WORLD_SIZE"] = str(world)
     batches, _ = make_batches(kind)
-    module = SGDCausalLM(tiny_model(family), gradient_checkpointing=checkpointing)
+    module = SGDCausalLM(tiny_model(family), gradient_checkpointing=checkpointing, loss_chunk_tokens=loss_chunk_tokens)
+    head_tokens: list[int] = []  # tokens per call of the output projection (the probe's included)
+    module.model.get_output_embeddings().register_forward_hook(
+        lambda head, args, output: head_tokens.append(args[0].shape[:-1].numel())
+    )
     recorder = _Recorder()
     trainer = pl.Trainer(
         devices=world,
@@ -127,7 +133,8 @@ def _fit(family: str, kind: str, world: int, strategy: dict[str, Any], checkpoin
     )
     trainer.fit(module, DataLoader(batches, batch_size=None))
     weights = trainer.strategy.lightning_module_state_dict()
-    return {"losses": recorder.losses, "weights": {k: v.numpy().copy() for k, v in weights.items() if "model." in k}}
+    weights = {k: v.numpy().copy() for k, v in weights.items() if "model." in k}
+    return {"losses": recorder.losses, "weights": weights, "head_tokens": head_tokens}
 
 
 RUNS = [
@@ -149,12 +156,28 @@ RUNS = [
 ]
 
 
-@pytest.mark.parametrize(("family", "kind", "world", "strategy", "checkpointing"), RUNS)
-def test_unmodified_models_match_one_device(family, kind, world, strategy, checkpointing):
-    results = run_on_ranks(_fit, world, family, kind, world, strategy, checkpointing, init_process_group=False)
+CHUNKED_LOSS_RUNS = [
+    ("llama", "packed", 2, {}, False, 5),
+    ("qwen2", "packed", 2, {"data_parallel": "fsdp"}, True, 4),
+    ("qwen3", "dense", 2, {"attention_mode": "ring"}, False, 3),
+]
+
+
+@pytest.mark.parametrize(
+    ("family", "kind", "world", "strategy", "checkpointing", "loss_chunk_tokens"),
+    [(*run, 0) for run in RUNS] + CHUNKED_LOSS_RUNS,
+)
+def test_unmodified_models_match_one_device(family, kind, world, strategy, checkpointing, loss_chunk_tokens):
+    """Also with the loss made a few tokens at a time (``loss_chunk_tokens``) from the decoder's hidden states."""
+    results = run_on_ranks(
+        _fit, world, family, kind, world, strategy, checkpointing, loss_chunk_tokens, init_process_group=False
+    )
     expected_losses, expected_weights = reference_losses(family, make_batches(kind)[1])
     for result in results:
         assert len(result["losses"]) == STEPS
+        if loss_chunk_tokens:  # the probe's two calls on a few tokens, then no more than a chunk at a time
+            head_tokens = result["head_tokens"]
+            assert head_tokens[:2] == [8, 8] and max(head_tokens[2:]) <= loss_chunk_tokens, head_tokens
         for actual, expected in zip(result["losses"], expected_losses, strict=True):
             assert abs(actual - expected) <= 1e-9 * abs(expected), f"{actual} != {expected}"
     weights = results[0]["weights"]  # the full state is gathered on global rank 0 (what a checkpoint writes)
@@ -215,6 +238,29 @@ def test_what_cannot_be_exact_is_refused():
     several = {"input_ids": torch.ones(2, 4, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 0, 1]] * 2)}
     with pytest.raises(ValueError, match="several documents share a row"):
         HFCausalLM(tiny_model("llama"))._loss(several)
+
+
+class _ScaledLogitsLlama(transformers.LlamaForCausalLM):
+    """A model whose forward changes its logits after the output projection, as soft-capping models do."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().forward(*args, **kwargs)
+        output.logits = output.logits * 0.5
+        return output
+
+
+def test_a_chunked_loss_is_refused_for_a_model_that_changes_its_logits_after_the_projection():
+    """The probe finds the change before any loss is computed; a plain model passes it and gives the same loss."""
+    torch.manual_seed(0)
+    scaled = _ScaledLogitsLlama(FAMILIES["llama"]()).double()
+    batch = make_batches("packed", 1)[0][0]
+    with pytest.raises(ValueError, match="_ScaledLogitsLlama's forward changes its logits .* loss_chunk_tokens=0"):
+        HFCausalLM(scaled, loss_chunk_tokens=4)._loss(dict(batch))
+    chunked, _ = HFCausalLM(tiny_model("llama"), loss_chunk_tokens=4)._loss(dict(batch))
+    whole, _ = HFCausalLM(tiny_model("llama"))._loss(dict(batch))
+    assert abs(chunked.mean.item() - whole.mean.item()) <= 1e-12 * abs(whole.mean.item())
+    with pytest.raises(ValueError, match="loss_chunk_tokens=-1: expected 0"):
+        HFCausalLM(tiny_model("llama"), loss_chunk_tokens=-1)
 
 
 def test_auto_mode_reads_the_head_counts_of_a_wrapped_hf_model():

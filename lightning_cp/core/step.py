@@ -313,8 +313,8 @@ def set_active_step(step: ContextParallelStep | None) -> None:
 
 
 @contextmanager
-def activated(step: ContextParallelStep) -> Iterator[ContextParallelStep]:
-    """Make ``step`` active inside the block."""
+def activated(step: ContextParallelStep | None) -> Iterator[ContextParallelStep | None]:
+    """Make ``step`` active inside the block (``None``: no step, as on one device)."""
     previous = _active_step
     set_active_step(step)
     try:

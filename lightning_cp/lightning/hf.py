@@ -15,7 +15,8 @@ from transformers.masking_utils import AttentionMaskInterface
 from typing_extensions import override
 
 from lightning_cp.core.functional import cp_attention
-from lightning_cp.core.step import active_step
+from lightning_cp.core.loss import CPLoss, cp_chunked_cross_entropy
+from lightning_cp.core.step import activated, active_step
 from lightning_cp.lightning.module import CausalLMModule
 
 ATTENTION_NAME = "lightning_cp"
@@ -67,12 +68,18 @@ class HFCausalLM(CausalLMModule):
         model_or_path: a model instance, or a local folder (or hub name) for ``from_pretrained``.
         lr, weight_decay, betas, warmup_steps, min_lr_ratio: AdamW with linear warm-up and cosine decay.
         gradient_checkpointing: call the model's ``gradient_checkpointing_enable()``.
+        loss_chunk_tokens: above 0, the loss makes the logits this many tokens at a time from the decoder's hidden
+            states (``cp_chunked_cross_entropy``), so the ``tokens x vocab`` logits never exist at once. A model whose
+            forward changes its logits after the output projection (soft-capping, scaling) is refused at the first
+            step, on a probe of a few tokens.
         **from_pretrained: keyword arguments of ``from_pretrained``; ``dtype`` defaults to float32 (the weights
             train in it; ``bf16-mixed`` computes in bf16), not the checkpoint's own dtype.
 
     The model is switched to the ``"lightning_cp"`` attention; labels are never passed to it (the batch's are already
     shifted per document), the loss is ``cp_cross_entropy`` on its logits.
     """
+
+    _PROBE_TOKENS = 8
 
     def __init__(
         self,
@@ -83,9 +90,12 @@ class HFCausalLM(CausalLMModule):
         warmup_steps: int = 0,
         min_lr_ratio: float = 0.1,
         gradient_checkpointing: bool = False,
+        loss_chunk_tokens: int = 0,
         **from_pretrained: Any,
     ) -> None:
         super().__init__()
+        if isinstance(loss_chunk_tokens, bool) or not isinstance(loss_chunk_tokens, int) or loss_chunk_tokens < 0:
+            raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens!r}: expected 0 (whole logits) or a token count")
         if isinstance(model_or_path, str):
             from_pretrained.setdefault("dtype", torch.float32)  # trainable weights; the Trainer's precision casts
             model = AutoModelForCausalLM.from_pretrained(
@@ -97,6 +107,8 @@ class HFCausalLM(CausalLMModule):
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.model = model
+        self.loss_chunk_tokens = loss_chunk_tokens
+        self._head_checked = False
         self.save_hyperparameters(
             {
                 "lr": lr,
@@ -105,12 +117,18 @@ class HFCausalLM(CausalLMModule):
                 "warmup_steps": warmup_steps,
                 "min_lr_ratio": min_lr_ratio,
                 "gradient_checkpointing": gradient_checkpointing,
+                "loss_chunk_tokens": loss_chunk_tokens,
             }
         )
 
     @override
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Return the model's logits of this rank's tokens (no labels: the loss is computed CP-aware)."""
+        self._check_attention()
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
+    def _check_attention(self) -> None:
+        """Refuse a CP step with a model switched away from the ``"lightning_cp"`` attention."""
         step = active_step()
         implementation = self.model.config._attn_implementation
         if step is not None and step.cp_size > 1 and implementation != ATTENTION_NAME:
@@ -118,7 +136,47 @@ class HFCausalLM(CausalLMModule):
                 f"cp={step.cp_size} but the model's attn_implementation is {implementation!r}, not "
                 f"{ATTENTION_NAME!r}: the forward would make no cp_attention call and attend within each shard only"
             )
-        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
+    @override
+    def token_loss(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor, loss_token_count: int
+    ) -> CPLoss:
+        """Return the loss of this rank's tokens; with ``loss_chunk_tokens`` the logits are made chunk by chunk from
+        the decoder's hidden states."""
+        if not self.loss_chunk_tokens:
+            return super().token_loss(input_ids, position_ids, labels, loss_token_count)
+        self._check_attention()
+        if not self._head_checked:
+            self._check_head_makes_the_logits(input_ids.device)
+            self._head_checked = True
+        decoder = self.model.base_model
+        hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        head = self.model.get_output_embeddings()
+        return cp_chunked_cross_entropy(hidden, head, labels, loss_token_count, self.loss_chunk_tokens)
+
+    def _check_head_makes_the_logits(self, device: torch.device) -> None:
+        """Check, on a few tokens on one device (no CP step, evaluation mode, no gradients), that the output
+        projection of the decoder's hidden states is what the model's forward returns as logits; raise if not."""
+        model = self.model
+        name = type(model).__name__
+        if model.base_model is model or model.get_output_embeddings() is None:
+            raise ValueError(f"loss_chunk_tokens needs a decoder and an output projection, which {name} does not name")
+        positions = torch.arange(self._PROBE_TOKENS, device=device).unsqueeze(0)
+        ids = positions.remainder(model.config.vocab_size)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), activated(None):
+                logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+                hidden = model.base_model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+                projected = model.get_output_embeddings()(hidden)
+        finally:
+            model.train(was_training)
+        if projected.shape != logits.shape or not torch.allclose(projected, logits, rtol=1e-3, atol=1e-5):
+            raise ValueError(
+                f"loss_chunk_tokens: {name}'s forward changes its logits after the output projection (soft-capping or "
+                "scaling), so logits made chunk by chunk would differ: set loss_chunk_tokens=0"
+            )
 
     @override
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

@@ -67,9 +67,9 @@ class ModelConfig(LlamaConfig):
     pretrained: str | None = None
 
 
-NOT_ARCHITECTURE = ("pretrained", "activation_checkpointing")
 RUN_TIME_MODEL_KEYS = ("activation_checkpointing", "loss_chunk_tokens")
 """``model`` keys that say how the model runs, not what it is: a checkpoint fits whatever their values."""
+NOT_ARCHITECTURE = ("pretrained", *RUN_TIME_MODEL_KEYS)
 
 
 @dataclass
@@ -403,11 +403,6 @@ def load_config(config_file: str | None = None, overrides: list[str] | tuple[str
         for origin, layer in layers:
             model_layer = layer.get("model") or {}
             given = [key for key in model_layer if key not in NOT_ARCHITECTURE and model_layer[key] != defaults[key]]
-            if given and given[0] in RUN_TIME_MODEL_KEYS:
-                raise ConfigError(
-                    f"model.{given[0]} (from {origin}) applies to the built-in model only: "
-                    f"model.pretrained={cfg.model.pretrained} makes its logits in its own forward; remove it"
-                )
             if given:
                 raise ConfigError(
                     f"model.{given[0]} (from {origin}) is an architecture key of the built-in model, but "

@@ -65,8 +65,9 @@ def build_model(cfg: DictConfig) -> CausalLMModule:
     if pretrained:
         from lightning_cp.lightning.hf import HFCausalLM
 
-        gradient_checkpointing = architecture["activation_checkpointing"]
-        model: CausalLMModule = HFCausalLM(pretrained, gradient_checkpointing=gradient_checkpointing, **optim)
+        run_time = {"gradient_checkpointing": architecture["activation_checkpointing"]}
+        run_time["loss_chunk_tokens"] = architecture["loss_chunk_tokens"]
+        model: CausalLMModule = HFCausalLM(pretrained, **run_time, **optim)
     else:
         model = LlamaLM(**architecture, **optim)
     if cfg.checkpoint.init_from and state.is_distributed_checkpoint(cfg.checkpoint.init_from):
