@@ -220,6 +220,20 @@ def _zigzag_ranks(
     return ring_group.size(), ulysses_group.size()
 
 
+def _autocast_off(attend: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """Run ``attend(q, ...)`` with autocast off on q's device: q, k, v come in the model's dtype and the kernels
+    accumulate in their own (under a bf16 autocast the math kernel's score matmuls would run in bf16, and its float32
+    backward would not match them)."""
+
+    @functools.wraps(attend)
+    def run(q: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        with torch.autocast(q.device.type, enabled=False):
+            return attend(q, *args, **kwargs)
+
+    return run
+
+
+@_autocast_off
 def attend_on_shards(
     q: Tensor,
     k: Tensor,
@@ -243,6 +257,7 @@ def attend_on_shards(
     The shards are zigzag, except that ``ulysses`` also takes them in the contiguous ``layout`` (of a stream padded to
     ``stream_length``): head exchange works on any layout, so it needs no conversion. ``known_finite``: every rank's
     q, k, v were read and hold only finite values (``zigzag_attention``'s check), so kernels skip their own guard.
+    Autocast is off inside (``_autocast_off``).
     """
     _check_local_token_count(q.shape[0], geometry, mode, ulysses_group, layout, stream_length)
     kernel_name = _choose_kernel(backend, mode, q)
