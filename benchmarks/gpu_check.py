@@ -56,6 +56,7 @@ from lightning_cp.core import comm
 from lightning_cp.core.attention import kernels
 from lightning_cp.core.zigzag import ZigzagGeometry
 from lightning_cp.packed import PackedSeqParams
+from lightning_cp.train.data.datamodule import CACHE_ENV
 from lightning_cp.train.runfolder import METRICS_FILE, RUN_DIR_ENV, loss_series, read_metrics
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu.md"
@@ -430,7 +431,7 @@ def rank_attention(
         library_kernel = attention._KERNELS[kernel]
         plan = attention._block_plan(geometry, rank, True, q.device, kernels.plan_profile(library_kernel))
         return attention.emulated_rank_attention(q, k, v, kv_all, sent, plan, scale=scale, kernel=library_kernel)
-    perms = [rank_perm(geometry, src, q.device) for src in range(geometry.cp_size)]
+    perms = [attention._device_perm(tokens, q.device) for tokens in geometry.rank_tokens]  # (perm, inverse) each
     others = gathered if gathered is not None else gathered_kv(kv_all, geometry, packed)
 
     def send_back(grad: torch.Tensor) -> None:
@@ -438,7 +439,7 @@ def rank_attention(
             if src == rank:  # this rank's own share reaches k and v through autograd
                 continue
             for part in (0, 1):
-                sent[src, part] += attention._from_internal(grad[src, part], packed, perms[src]).to(sent.dtype)
+                sent[src, part] += attention._from_internal(grad[src, part], packed, perms[src][1]).to(sent.dtype)
 
     def gather(kv: torch.Tensor, group: object) -> torch.Tensor:
         return torch.cat([others[:rank], kv.unsqueeze(0), others[rank + 1 :]])
@@ -449,16 +450,10 @@ def rank_attention(
         return attention._flash_attention(q, k, v, None, geometry.rank_tokens, rank, packed, True, scale)
 
 
-def rank_perm(geometry: ZigzagGeometry, rank: int, device: torch.device) -> torch.Tensor | None:
-    """The rank's local-to-half-major permutation on ``device`` (``None`` when the orders agree)."""
-    perm = geometry.rank_tokens[rank].perm
-    return None if perm is None else perm.to(device)
-
-
 def gathered_kv(kv_all: torch.Tensor, geometry: ZigzagGeometry, packed: bool) -> torch.Tensor:
     """What the flash path's all-gather returns: every rank's K/V in the kernels' half-major layout, stacked (a leaf
     that collects their gradient)."""
-    perms = [rank_perm(geometry, src, kv_all.device) for src in range(geometry.cp_size)]
+    perms = [attention._device_perm(tokens, kv_all.device)[0] for tokens in geometry.rank_tokens]
     pairs = zip(kv_all, perms, strict=True)
     internal = [torch.stack([attention._to_internal(x, packed, perm) for x in kv]) for kv, perm in pairs]
     return torch.stack(internal).requires_grad_()
@@ -960,11 +955,12 @@ def tile_seconds(settings: Settings, kernel_name: str, rows: int, masked: bool) 
     blocks = [kernels.Block(slice(0, rows), slice(0, rows), mask)] * calls
     kernel, scale = attention._KERNELS[kernel_name], 1.0 / math.sqrt(dim)
 
-    def step() -> None:
+    def step() -> None:  # the backward gets the output in q's dtype, as training saves it
         out.zero_()
         lse.fill_(-math.inf)
         kernels.forward_source(out, lse, q, k, v, blocks, kernel, scale)
-        kernels.backward_source(grads, (dout, q, out, kernels.finite_lse(lse)), k, v, blocks, kernel, scale)
+        merged = (dout, q, kernels.as_dtype(out, dtype), kernels.finite_lse(lse))
+        kernels.backward_source(grads, merged, k, v, blocks, kernel, scale)
 
     return median_time(step, settings) / calls
 
@@ -1067,7 +1063,7 @@ def check_training(settings: Settings, report: Report, budget: Budget) -> None:
     run_root = Path(tempfile.mkdtemp(prefix="gpu_check_run_"))
     command = [sys.executable, "-m", "lightning_cp", "fit", *settings.train_overrides, f"run.root={run_root}"]
     try:
-        returncode, wall, log_tail = run_main_job(command, timeout)
+        returncode, wall, log_tail = run_main_job(command, timeout, data_cache=run_root / "data")
         steps, losses = loss_series(read_metrics(run_root / "gpu-check" / METRICS_FILE), "train_loss")
         val_steps, val = loss_series(read_metrics(run_root / "gpu-check" / METRICS_FILE), "val_loss", "trained_steps")
     finally:
@@ -1094,9 +1090,10 @@ def check_training(settings: Settings, report: Report, budget: Budget) -> None:
     report.text("train", "")
 
 
-def run_main_job(command: list[str], timeout: float) -> tuple[int | str, float, str]:
-    """Run the job in its own session (killed with its workers on timeout); exit code, seconds, last output lines."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+def run_main_job(command: list[str], timeout: float, data_cache: Path) -> tuple[int | str, float, str]:
+    """Run the job in its own session (killed with its workers on timeout), its prepared data under ``data_cache``;
+    exit code, seconds, last output lines."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", CACHE_ENV: str(data_cache)}
     env.pop(RUN_DIR_ENV, None)
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as log:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -269,3 +270,18 @@ def test_cuda_sdpa_is_refused_off_cuda_with_a_clear_error():
     q = torch.zeros(4, 1, 2, 8)
     with pytest.raises(ValueError, match=r"backend='cuda_sdpa' with torch.float32 tensors of head dim 8 on cpu; exp"):
         attention.zigzag_attention(q, q, q, None, backend="cuda_sdpa")
+
+
+@pytest.mark.parametrize(
+    ("capability", "head_dim", "expected"),
+    [((8, 0), 128, "flash_attn"), ((9, 0), 256, "flash_attn"), ((7, 5), 128, "cuda_sdpa"), ((8, 0), 512, "cuda_sdpa")],
+)
+def test_auto_takes_flash_attn_only_where_it_runs(capability, head_dim, expected, monkeypatch) -> None:
+    """flash-attn 2 needs an Ampere or newer GPU and head dims up to 256; elsewhere ``auto`` takes torch's kernels."""
+    monkeypatch.setattr(attention, "flash_attn_varlen_func", lambda: object())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    q = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(8, 1, 4, head_dim), device=torch.device("cuda"))
+    assert attention._choose_kernel("auto", "allgather", q) == expected
+    if expected != "flash_attn":
+        with pytest.raises(ValueError, match="head dim <= 256 on an Ampere or newer GPU"):
+            attention._choose_kernel("flash_attn", "allgather", q)

@@ -370,12 +370,21 @@ def _to_internal(x: Tensor, packed: bool, perm: Tensor | None) -> Tensor:
     return x.permute(1, 0, 2).unsqueeze(0).contiguous()
 
 
-def _from_internal(out: Tensor, packed: bool, perm: Tensor | None) -> Tensor:
-    """Undo ``_to_internal`` on an output or a gradient."""
+def _from_internal(out: Tensor, packed: bool, inverse: Tensor | None) -> Tensor:
+    """Undo ``_to_internal`` on an output or a gradient (``inverse``: the inverse of its ``perm``)."""
     if not packed:
         return out.permute(2, 0, 1, 3).contiguous()
     out = out.squeeze(0).permute(1, 0, 2)
-    return (out if perm is None else out.index_select(0, torch.argsort(perm))).contiguous()
+    return (out if inverse is None else out.index_select(0, inverse)).contiguous()
+
+
+@functools.lru_cache(maxsize=4)
+def _device_perm(tokens: RankTokens, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
+    """A rank's local -> half-major permutation and its inverse on ``device``, copied once per batch layout: a
+    host-to-device copy per call would wait for the device in every layer."""
+    if tokens.perm is None:
+        return None, None
+    return tokens.perm.to(device), torch.argsort(tokens.perm).to(device)
 
 
 def _heads_first(x: Tensor) -> Tensor:
@@ -705,7 +714,7 @@ def _flash_attention(
 ) -> Tensor:
     """All-gather K/V and run flash-attn's varlen kernel once per query half (bottom-right causal alignment)."""
     varlen = varlen or flash_attn_varlen_func()
-    perm = None if tokens[rank].perm is None else tokens[rank].perm.to(q.device)
+    perm, inverse = _device_perm(tokens[rank], q.device)
     qi, ki, vi = (_to_internal(x, packed, perm) for x in (q, k, v))
     kv = torch.stack([ki, vi])
     kv_all = kv.unsqueeze(0) if len(tokens) == 1 else comm.all_gather_stack(kv, cp_group)
@@ -720,7 +729,7 @@ def _flash_attention(
         )  # fmt: skip
         out = out.index_copy(0, rows, piece)
     out = out.reshape(batch, local, heads, dim).permute(0, 2, 1, 3)
-    return _from_internal(out, packed, perm)
+    return _from_internal(out, packed, inverse)
 
 
 @functools.lru_cache(maxsize=4)
@@ -892,6 +901,7 @@ def _packed_geometry_of(cp: int, lengths: tuple[int, ...], padded: tuple[int, ..
 def _choose_kernel(backend: str, mode: str, q: Tensor) -> str:
     """Resolve ``backend`` to a kernel name, rejecting choices this input cannot use."""
     flash_ok = flash_attn_varlen_func() is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    flash_ok = flash_ok and q.shape[-1] <= 256 and torch.cuda.get_device_capability(q.device) >= (8, 0)  # flash-attn 2
     flash_modes = (AttentionMode.ALLGATHER.value, AttentionMode.ULYSSES.value)
     sdpa_ok = q.is_cuda and q.dtype in _CUDA_SDPA_DTYPES and q.shape[-1] % 8 == 0
     if backend == "auto":
@@ -902,8 +912,9 @@ def _choose_kernel(backend: str, mode: str, q: Tensor) -> str:
         return "cuda_sdpa" if sdpa_ok else "math"
     if backend == "flash_attn" and (not flash_ok or mode not in flash_modes):
         raise ValueError(
-            f"backend='flash_attn' with mode={mode!r}, {q.dtype} on {q.device}; expected flash-attn installed, "
-            "CUDA float16/bfloat16 tensors and mode='allgather' or 'ulysses'"
+            f"backend='flash_attn' with mode={mode!r}, {q.dtype} of head dim {q.shape[-1]} on {q.device}; expected "
+            "flash-attn installed, CUDA float16/bfloat16 tensors of head dim <= 256 on an Ampere or newer GPU and "
+            "mode='allgather' or 'ulysses'"
         )
     if backend == "cpu_flash" and q.device.type != "cpu":
         raise ValueError(f"backend='cpu_flash' with tensors on {q.device}; expected CPU tensors")
