@@ -217,3 +217,32 @@ def test_exchange_buffers_alternate_between_two_allocations():
     assert all(x.is_contiguous() and x.dtype == torch.float64 for x in taken)
     pointers = [x.data_ptr() for x in taken]
     assert pointers[0] != pointers[1] and pointers[2] == pointers[0] and pointers[3] == pointers[1]
+
+
+def test_a_plan_reaches_another_device_whole_in_one_copy_per_dtype(monkeypatch):
+    """A GPU plan (masked groups of small documents, index tensors) built for another device: the same tiles,
+    pieces and masks there, moved by one copy per dtype instead of one per tensor."""
+    lengths = [3, 1, 7, 2, 40, 5, 1, 9, 30, 2]
+    geometry = zigzag.ZigzagGeometry.packed(2, lengths)
+    host = kernels.build_block_plan(geometry.rank_tokens, 1, True, torch.device("cpu"), profile=kernels._GPU_PROFILE)
+    copies = []
+    real_to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **kw: copies.append(self.dtype) or real_to(self, *a, **kw))
+    moved = kernels.build_block_plan(geometry.rank_tokens, 1, True, torch.device("meta"), profile=kernels._GPU_PROFILE)
+    monkeypatch.setattr(torch.Tensor, "to", real_to)
+
+    def same(a, b) -> bool:
+        if isinstance(a, torch.Tensor):
+            return b.device.type == "meta" and a.shape == b.shape and a.dtype == b.dtype
+        if isinstance(a, kernels.Block):
+            fields = ("rows", "cols", "mask")
+            return a.causal == b.causal and all(same(getattr(a, f), getattr(b, f)) for f in fields)
+        if isinstance(a, (tuple, list)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+        return a == b
+
+    assert any(block.mask is not None for source in host.tiles for block in source), "masked groups were planned"
+    assert (
+        same(host.tiles, moved.tiles) and same(host.piece_tiles, moved.piece_tiles) and same(host.pieces, moved.pieces)
+    )
+    assert len(set(copies)) == len(copies) == 2, copies  # one copy per dtype: indices and masks

@@ -333,12 +333,13 @@ def _check_local_token_count(
         )
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=4)
 def _block_plan(
     geometry: ZigzagGeometry, rank: int, causal: bool, device: torch.device, profile: PlanProfile
 ) -> BlockPlan:
     """This rank's block plan on ``device`` for kernels of ``profile``, built once per batch (shared by every layer
-    and the backward)."""
+    and the backward). A few are kept (a training and a validation batch, causal and bidirectional layers): a GPU
+    plan's masks of grouped small documents can take a hundred MiB of device memory."""
     return build_block_plan(geometry.rank_tokens, rank, causal, device, profile=profile)
 
 

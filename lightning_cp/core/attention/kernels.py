@@ -27,6 +27,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -443,9 +444,9 @@ def build_block_plan(
             col_pieces,
         )
         blocks.append(tuple(source_blocks))
-        tiles.append(tuple(_on_device(block, device) for block in forward))
-        piece_tiles.append(tuple(tuple(_on_device(block, device) for block in piece) for piece in backward))
-    pieces = tuple(rows if isinstance(rows, slice) else rows.to(device) for rows in row_pieces.rows)
+        tiles.append(tuple(forward))
+        piece_tiles.append(tuple(tuple(piece) for piece in backward))
+    tiles, piece_tiles, pieces = _on_device((tiles, piece_tiles, row_pieces.rows), device)
     return BlockPlan(len(tokens), rank, tuple(blocks), tuple(tiles), pieces, tuple(piece_tiles))
 
 
@@ -687,10 +688,44 @@ def _shifted(block: Block, row_offset: int, col_offset: int) -> Block:
     return Block(rows, cols, block.mask, block.causal)
 
 
-def _on_device(block: Block, device: torch.device) -> Block:
-    """Move a block's mask and index tensors to ``device``."""
-    rows, cols = (index if isinstance(index, slice) else index.to(device) for index in (block.rows, block.cols))
-    return Block(rows, cols, None if block.mask is None else block.mask.to(device), block.causal)
+def _on_device(nested: Any, device: torch.device) -> Any:
+    """``nested`` (tuples and lists of blocks, index tensors and slices) with its tensors on ``device``, through one
+    copy per dtype (from pinned memory, asynchronous, to a GPU): a plan holds hundreds of index tensors and masks,
+    and a copy of each would wait for the device every time."""
+    if device.type == "cpu":
+        return nested
+    tensors: list[Tensor] = []
+    _visit_tensors(nested, tensors.append)
+    moved = iter(_copied(tensors, device))
+    return _visit_tensors(nested, lambda tensor: next(moved))
+
+
+def _visit_tensors(nested: Any, visit: Callable[[Tensor], Any]) -> Any:
+    """Call ``visit`` on every tensor of ``nested`` in order and return ``nested`` with each replaced by its result."""
+    if isinstance(nested, Tensor):
+        return visit(nested)
+    if isinstance(nested, Block):
+        rows, cols = _visit_tensors(nested.rows, visit), _visit_tensors(nested.cols, visit)
+        mask = None if nested.mask is None else _visit_tensors(nested.mask, visit)
+        return Block(rows, cols, mask, nested.causal)
+    if isinstance(nested, (tuple, list)):
+        return type(nested)(_visit_tensors(item, visit) for item in nested)
+    return nested
+
+
+def _copied(tensors: Sequence[Tensor], device: torch.device) -> list[Tensor]:
+    """Host ``tensors`` on ``device``, one flat copy per dtype (pinned and non-blocking to a CUDA device)."""
+    copies: list[Tensor | None] = [None] * len(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        by_dtype.setdefault(tensor.dtype, []).append(index)
+    for indices in by_dtype.values():
+        flat = torch.cat([tensors[i].reshape(-1) for i in indices])
+        flat = flat.pin_memory() if device.type == "cuda" else flat
+        parts = flat.to(device, non_blocking=True).split([tensors[i].numel() for i in indices])
+        for i, part in zip(indices, parts, strict=True):
+            copies[i] = part.view(tensors[i].shape)
+    return copies  # type: ignore[return-value]
 
 
 def _tiled_forward(
