@@ -280,8 +280,24 @@ def test_auto_takes_flash_attn_only_where_it_runs(capability, head_dim, expected
     """flash-attn 2 needs an Ampere or newer GPU and head dims up to 256; elsewhere ``auto`` takes torch's kernels."""
     monkeypatch.setattr(attention, "flash_attn_varlen_func", lambda: object())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(attention, "_efficient_cuda_kernel_runs", lambda device, dtype, head_dim: True)
     q = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(8, 1, 4, head_dim), device=torch.device("cuda"))
     assert attention._choose_kernel("auto", "allgather", q) == expected
     if expected != "flash_attn":
         with pytest.raises(ValueError, match="head dim <= 256 on an Ampere or newer GPU"):
             attention._choose_kernel("flash_attn", "allgather", q)
+
+
+def test_auto_takes_the_math_kernel_and_its_small_tiles_where_torch_has_no_fused_kernel(monkeypatch) -> None:
+    """Without flash-attn, on a GPU whose memory-efficient kernel refuses the dtype (bf16 before Ampere), ``auto``
+    picks the math kernel, whose plans cut small tiles, not ``cuda_sdpa``'s GPU tiles that would fall back to it."""
+    monkeypatch.setattr(attention, "flash_attn_varlen_func", lambda: None)
+    q = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=(8, 1, 4, 64), device=torch.device("cuda"))
+    monkeypatch.setattr(attention, "_efficient_cuda_kernel_runs", lambda device, dtype, head_dim: False)
+    assert attention._choose_kernel("auto", "allgather", q) == "math"
+    assert (
+        kernels.plan_profile(attention._KERNELS["math"]).min_tile_rows
+        < kernels.plan_profile(kernels.CUDA_SDPA).min_tile_rows
+    )
+    monkeypatch.setattr(attention, "_efficient_cuda_kernel_runs", lambda device, dtype, head_dim: True)
+    assert attention._choose_kernel("auto", "allgather", q) == "cuda_sdpa"

@@ -910,7 +910,7 @@ def _choose_kernel(backend: str, mode: str, q: Tensor) -> str:
             return "flash_attn"
         if q.device.type == "cpu":
             return "cpu_flash"
-        return "cuda_sdpa" if sdpa_ok else "math"
+        return "cuda_sdpa" if sdpa_ok and _efficient_cuda_kernel_runs(q.device, q.dtype, q.shape[-1]) else "math"
     if backend == "flash_attn" and (not flash_ok or mode not in flash_modes):
         raise ValueError(
             f"backend='flash_attn' with mode={mode!r}, {q.dtype} of head dim {q.shape[-1]} on {q.device}; expected "
@@ -925,6 +925,16 @@ def _choose_kernel(backend: str, mode: str, q: Tensor) -> str:
             "float16, bfloat16 or float32 and a head dim divisible by 8"
         )
     return backend
+
+
+@functools.cache
+def _efficient_cuda_kernel_runs(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether torch's memory-efficient CUDA kernel takes ``dtype`` tiles of ``head_dim`` on this GPU (bf16 needs
+    Ampere). Where it does not, ``cuda_sdpa`` would run its masked tiles, or all of them, in the math kernel at GPU
+    tile sizes (gigabytes of scores per tile), so ``auto`` takes the math kernel with its own small tiles."""
+    probe = torch.zeros(1, 1, 8, head_dim, device=device, dtype=dtype)
+    params = torch.backends.cuda.SDPAParams(probe, probe, probe, None, 0.0, False, False)
+    return bool(torch.backends.cuda.can_use_efficient_attention(params, False))
 
 
 def _log_choice_once(kernel_name: str, mode: str, q: Tensor) -> None:
