@@ -187,6 +187,30 @@ def test_unmodified_models_match_one_device(family, kind, world, strategy, check
         assert error <= 1e-9 * expected.abs().max().item(), f"{name}: {error}"
 
 
+def _fit_bf16_mixed(world: int) -> list[float]:
+    """Rank body: a float32 model trained under ``bf16-mixed`` (autocast), the usual fine-tuning precision."""
+    os.environ["WORLD_SIZE"] = str(world)
+    batches, _ = make_batches("packed")
+    recorder = _Recorder()
+    trainer = pl.Trainer(
+        devices=world, strategy=CPZigzagStrategy(), precision="bf16-mixed", max_steps=STEPS, callbacks=[recorder],
+        use_distributed_sampler=False, **TRAINER_OPTIONS,
+    )  # fmt: skip
+    trainer.fit(SGDCausalLM(tiny_model("llama").float()), DataLoader(batches, batch_size=None))
+    return recorder.losses
+
+
+def test_bf16_mixed_fine_tuning_under_cp_matches_one_device_within_bf16_rounding():
+    """Under autocast a Hugging Face layer hands the attention float32 q, k (rotated by float32 cos/sin) and a bf16
+    v: ``cp_attention`` casts them to the autocast's dtype as SDPA does, and cp=2 trains like the float64 reference
+    (relative 2e-3)."""
+    expected, _ = reference_losses("llama", make_batches("packed")[1])
+    for losses in run_on_ranks(_fit_bf16_mixed, 2, 2, init_process_group=False):
+        assert len(losses) == STEPS
+        for actual, reference in zip(losses, expected, strict=True):
+            assert abs(actual - reference) <= 2e-3 * abs(reference), (actual, reference)
+
+
 def _bypassed_attention() -> None:
     os.environ["WORLD_SIZE"] = "2"
     batches, _ = make_batches("packed", 1)

@@ -57,13 +57,18 @@ def cp_attention(
 ) -> torch.Tensor:
     """Attention for model code on batch-first ``[B, S_local, H, D]`` shards (packed: ``B == 1``).
 
-    Under an active CP step it runs CP attention over the CP group with the step's attention mode and geometry,
+    Under autocast q, k, v are cast to its dtype first, as SDPA casts them (a model's rotary embedding in float32
+    can leave q, k in float32 next to a bf16 v). Under an active CP step it runs CP attention over the CP group with
+    the step's attention mode and geometry,
     converting q/k/v to zigzag (and the output back) when the layer it runs in is not zigzag (``ulysses`` takes any
     layout and converts nothing). Without CP it is single-device attention, masked per document for packed batches.
     """
     step = active_step()
     if step is not None:
         step.attention_calls += 1
+    if torch.is_autocast_enabled(q.device.type):  # as SDPA under autocast: one dtype, the autocast's
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (tensor.to(dtype) for tensor in (q, k, v))
     if step is not None and not causal and not step.is_packed and step.dense_padding:
         multiple = contiguous_padding_multiple(step.cp_size, step.setting.mesh.tp_size, packed=False)
         raise ValueError(
