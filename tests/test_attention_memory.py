@@ -246,3 +246,17 @@ def test_a_plan_reaches_another_device_whole_in_one_copy_per_dtype(monkeypatch):
         same(host.tiles, moved.tiles) and same(host.piece_tiles, moved.piece_tiles) and same(host.pieces, moved.pieces)
     )
     assert len(set(copies)) == len(copies) == 2, copies  # one copy per dtype: indices and masks
+
+
+def test_one_copy_per_dtype_keeps_every_tensor_its_values_and_shape():
+    """``_copied`` (the copy behind a plan's move to a GPU) run to the host: each tensor back whole, in order."""
+    generator = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randint(0, 100, (5,), generator=generator),
+        torch.rand(3, 4, generator=generator) > 0.5,
+        torch.randint(0, 100, (0,), generator=generator),
+        torch.randint(0, 100, (2, 3), generator=generator),
+        torch.rand(1, 1, generator=generator) > 0.5,
+    ]
+    copies = kernels._copied(tensors, torch.device("cpu"))
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(tensors, copies, strict=True))

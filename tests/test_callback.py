@@ -153,7 +153,9 @@ def test_bidirectional_dense_attention_without_cp_sees_no_padding() -> None:
     assert shard_replica_batch(batch).padding_token_count == 0
     q = torch.randn(1, 8, 2, 4)
     with activated(ContextParallelStep(dense_padding=1)):
-        with pytest.raises(ValueError, match="would see 1 padding tokens per row: make the sequence length divisible"):
+        with pytest.raises(
+            ValueError, match="would see the batch's 1 padding tokens: make the sequence length divisible"
+        ):
             cp_attention(q, q, q, causal=False)
         assert cp_attention(q, q, q, causal=True).shape == q.shape
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_cp.train.data import ByteTokenizer, HFTokenizer
 from lightning_cp.train.runfolder import read_metrics
 from tests.cli_helpers import SCRIPT, TIMEOUT, assert_same, cli_env, run_cli, run_losses
 
@@ -181,8 +182,8 @@ def test_bad_config_gives_one_clear_line_and_exit_code_2(overrides: list[str], m
     assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"lightning-cp: error: {message}")
 
 
-@pytest.mark.parametrize("unit", ["byte", "token"])
-def test_the_loss_plot_names_the_unit_of_the_run_tokenizer(unit: str, tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize(("tokenizer", "unit"), [(ByteTokenizer, "byte"), (HFTokenizer, "token")])
+def test_the_loss_plot_names_the_unit_of_the_run_tokenizer(tokenizer, unit: str, tmp_path, monkeypatch) -> None:
     """The y axis says nats per byte for the byte tokenizer and per token for a Hugging Face one."""
     from matplotlib.figure import Figure
 
@@ -191,5 +192,5 @@ def test_the_loss_plot_names_the_unit_of_the_run_tokenizer(unit: str, tmp_path, 
     (tmp_path / runfolder.METRICS_FILE).write_text("step,train_loss,trained_steps,val_loss\n0,5.0,,\n,,0,4.0\n")
     labels = []
     monkeypatch.setattr(Figure, "savefig", lambda figure, *args, **kwargs: labels.append(figure.axes[0].get_ylabel()))
-    runfolder.plot_losses(tmp_path, unit)
+    runfolder.plot_losses(tmp_path, tokenizer.unit)
     assert labels == [f"cross-entropy (nats per {unit})"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lightning_cp.lightning.state import is_distributed_checkpoint
+from lightning_cp.train.data import PackedTextDataModule
 from tests.cli_helpers import assert_same, run_cli, run_losses
 
 PARITY = [
@@ -58,6 +59,9 @@ def test_validation_scores_every_sample_on_any_number_of_replicas(tmp_path: Path
     filler that scores nothing), and the step-0 validation loss is that of 1 replica, which scores each (float64)."""
     small = [*PARITY, "trainer.max_steps=1", "trainer.limit_val_batches=1.0", "data.tokens_per_sample=512"]
     small += ["data.samples_per_batch=1", "strategy.context_parallel_size=1"]
+    held_out = PackedTextDataModule(tokens_per_sample=512)
+    held_out.setup("validate")
+    assert len(held_out.val_samples) % 2, "an odd count, so one replica runs a filler"
     losses = []
     for devices in (1, 2):
         name = f"dp{devices}"

@@ -453,7 +453,9 @@ def test_a_split_too_small_for_one_batch_is_one_clear_error(tmp_path: Path) -> N
     with pytest.raises(ValueError, match=r"data.tokens_per_sample=10000000 tokens \(data.packed=false\)"):
         dense.setup("fit")
     tokens = dense.val_samples.segments.num_tokens
-    with pytest.raises(ValueError, match=rf"validation needs 1 validation sample .* at most {tokens}, or raise"):
+    with pytest.raises(
+        ValueError, match=rf"validation needs a sample for one batch, but .* at most {tokens}, or raise"
+    ):
         dense.setup("validate")
     (tmp_path / "one.txt").write_text("a single document")
     with pytest.raises(ValueError, match=r"training split holds no tokens \(data.val_fraction=0.1 holds out"):

@@ -62,7 +62,7 @@ def test_packed_shards_concatenate_to_the_padded_batch(cp: int) -> None:
 
 
 def test_dense_batches_pad_to_whole_zigzag_chunks() -> None:
-    """Dense rows pad to a multiple of 2 x cp x tp; padding never counts in the loss."""
+    """Dense rows pad to a multiple of 2 x cp x tp (under CP); padding never counts in the loss."""
     batch = {"input_ids": torch.arange(1, 11).view(1, 10)}
     shards = [shard_replica_batch(batch, 2, rank) for rank in range(2)]
     assert [shard.input_ids.tolist() for shard in shards] == [[[1, 2, 3, 4, 5, 6]], [[7, 8, 9, 10, 0, 0]]]

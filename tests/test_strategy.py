@@ -160,11 +160,12 @@ def expected_positions(
 ) -> list[int]:
     """Return the first row's position ids a block on ``cp_rank`` sees in ``layout``, derived from the raw batch.
 
-    The batch is padded to a multiple of cp x tp (packed) or 2 x cp x tp (dense); TP ranks share their CP shard.
+    The batch is padded to a multiple of cp x tp (packed) or 2 x cp x tp (dense; tp without CP); TP ranks share their
+    CP shard.
     Under ``hybrid`` (``ulysses > 1``) the zigzag layout spans cp / ulysses ring positions, each split over ulysses.
     """
     length = batch["input_ids"].shape[1]
-    multiple = cp * tp if "cu_seqlens" in batch else 2 * cp * tp
+    multiple = cp * tp if "cu_seqlens" in batch or cp == 1 else 2 * cp * tp
     padded = -(-length // multiple) * multiple
     _, positions, _ = reference_targets(batch)
     positions = positions[0].tolist() + [0] * (padded - length)

@@ -72,8 +72,8 @@ def cp_attention(
     if step is not None and not causal and not step.is_packed and step.dense_padding:
         multiple = contiguous_padding_multiple(step.cp_size, step.setting.mesh.tp_size, packed=False)
         raise ValueError(
-            f"bidirectional dense attention would see {step.dense_padding} padding tokens per row: make the sequence "
-            f"length divisible by {multiple} or use packed batches"
+            f"bidirectional dense attention would see the batch's {step.dense_padding} padding tokens: make the "
+            f"sequence length divisible by {multiple} or use packed batches"
         )
     if step is None or step.cp_size == 1:
         cu_seqlens = step.contiguous_packed_seq_params.cu_seqlens_q if step is not None and step.is_packed else None

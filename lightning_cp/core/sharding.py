@@ -130,8 +130,9 @@ def shard_replica_batch(
     """Shift labels, compute position ids, pad and slice this rank's contiguous shard of a replica batch.
 
     Packed rows are padded so the token count divides by ``cp * tp``; dense rows by ``2 * cp * tp`` (whole zigzag
-    chunks). With sequence parallelism the shard is the ``cp_rank * tp + tp_rank``-th of ``cp * tp`` slices, else
-    the ``cp_rank``-th of ``cp`` (every TP rank holds the CP rank's tokens).
+    chunks; without CP by ``tp``: ``contiguous_padding_multiple``). With sequence parallelism the shard is the
+    ``cp_rank * tp + tp_rank``-th of ``cp * tp`` slices, else the ``cp_rank``-th of ``cp`` (every TP rank holds the
+    CP rank's tokens).
     """
     host_offsets = validate_replica_batch(batch)
     input_ids = batch["input_ids"]

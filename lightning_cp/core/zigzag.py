@@ -161,7 +161,7 @@ def padded_length(length: int, multiple: int) -> int:
 
 def contiguous_padding_multiple(cp_size: int, tp_size: int, packed: bool) -> int:
     """What a replica batch's sequence length is padded to: ``cp * tp`` tokens packed, whole zigzag chunks dense
-    (without CP, ``tp``: no zigzag chunks, and no padding a bidirectional layer would see)."""
+    (without CP, ``tp``: there are no zigzag chunks; a bidirectional layer refuses any padding)."""
     return cp_size * tp_size if packed or cp_size == 1 else 2 * cp_size * tp_size
 
 

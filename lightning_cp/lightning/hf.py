@@ -76,7 +76,8 @@ class HFCausalLM(CausalLMModule):
             train in it; ``bf16-mixed`` computes in bf16), not the checkpoint's own dtype.
 
     The model is switched to the ``"lightning_cp"`` attention; labels are never passed to it (the batch's are already
-    shifted per document), the loss is ``cp_cross_entropy`` on its logits.
+    shifted per document), the loss is ``cp_cross_entropy`` on its logits (with ``loss_chunk_tokens``,
+    ``cp_chunked_cross_entropy`` on the decoder's hidden states).
     """
 
     _PROBE_TOKENS = 8
@@ -163,15 +164,16 @@ class HFCausalLM(CausalLMModule):
             raise ValueError(f"loss_chunk_tokens needs a decoder and an output projection, which {name} does not name")
         positions = torch.arange(self._PROBE_TOKENS, device=device).unsqueeze(0)
         ids = positions.remainder(model.config.vocab_size)
-        was_training = model.training
+        modes = {module: module.training for module in model.modules()}  # frozen parts may sit in eval mode
         model.eval()
         try:
             with torch.no_grad(), activated(None):
                 logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
                 hidden = model.base_model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
-                projected = model.get_output_embeddings()(hidden)
+                projected = model.get_output_embeddings()(hidden).to(logits.dtype)  # a forward may upcast them
         finally:
-            model.train(was_training)
+            for module, training in modes.items():
+                module.training = training
         if projected.shape != logits.shape or not torch.allclose(projected, logits, rtol=1e-3, atol=1e-5):
             raise ValueError(
                 f"loss_chunk_tokens: {name}'s forward changes its logits after the output projection (soft-capping or "

@@ -339,7 +339,7 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"strategy.{error}") from None
     if known_devices:
         world = per_node * cfg.trainer.num_nodes
-        group = (cp or max(1, per_node // tp)) * tp
+        group = cp_known * tp
         if world % group:
             raise ConfigError(
                 f"world size {world} (trainer.devices={per_node} x trainer.num_nodes={cfg.trainer.num_nodes}) "

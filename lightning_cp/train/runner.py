@@ -306,7 +306,7 @@ def fit(cfg: DictConfig) -> Path:
             weights = {name.removeprefix("model."): tensor for name, tensor in weights.items()}
             runfolder.save_pretrained(model.model, tokenizer, run_dir, weights)
     if trainer.is_global_zero:
-        runfolder.plot_losses(run_dir, "byte" if isinstance(tokenizer, ByteTokenizer) else "token")
+        runfolder.plot_losses(run_dir, getattr(tokenizer, "unit", "token"))
         print(runfolder.summary(run_dir), flush=True)
     return run_dir
 

@@ -33,7 +33,9 @@ class ResumableSampler(Sampler[int]):
         rank: int = 0,
         complete: bool = False,
     ) -> None:
-        if num_samples < (1 if complete else num_replicas * batch_size):
+        if complete and num_samples < 1:
+            raise ValueError("a complete sampler needs at least one sample")
+        if not complete and num_samples < num_replicas * batch_size:
             raise ValueError(
                 f"{num_samples} samples cannot fill one batch of {batch_size} on each of {num_replicas} replicas"
             )

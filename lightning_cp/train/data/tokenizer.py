@@ -29,8 +29,9 @@ def replace_surrogates(text: str) -> tuple[str, int]:
 class Tokenizer(Protocol):
     """What packing needs of a tokeniser.
 
-    Optional: ``vocab_size`` (ids below 65536 are stored in 2 bytes) and ``fingerprint``, a string that changes
-    whenever the tokens would; without one the datamodule cannot share a cache and prepares data in each process.
+    Optional: ``vocab_size`` (ids below 65536 are stored in 2 bytes), ``fingerprint``, a string that changes
+    whenever the tokens would (without one the datamodule cannot share a cache and prepares data in each process), and
+    ``unit``, what one token is ("byte", "token": the loss plot's unit).
     """
 
     eos_id: int | None
@@ -49,6 +50,7 @@ class ByteTokenizer:
     eos_id = 256
     vocab_size = 257
     fingerprint = "bytes:utf-8"
+    unit = "byte"  # what a token is: losses are nats per byte
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Return the UTF-8 bytes of ``text``."""
@@ -72,6 +74,8 @@ class ByteTokenizer:
 
 class HFTokenizer:
     """A Hugging Face tokenizer (``AutoTokenizer.from_pretrained``) behind the ``Tokenizer`` interface."""
+
+    unit = "token"
 
     def __init__(self, path: str) -> None:
         from transformers import AutoTokenizer
