@@ -231,6 +231,11 @@ class ContextParallelRuntime:
             step = self._own_step()
             if step is None:
                 return None
+            if not args or not isinstance(args[0], torch.Tensor):
+                raise TypeError(
+                    f"layer {layer_index} ({type(module).__name__}) got no residual stream as its first positional "
+                    "argument: wrapped blocks take the hidden states first, positionally (side inputs as keywords)"
+                )
             hidden_states = args[0]
             if hidden_states.requires_grad and not in_backward():  # only a marked entry can close the exit's resume
                 hidden_states.register_hook(lambda grad: step.leave_in_backward(layer_index))

@@ -121,7 +121,7 @@ def _on_global_zero(
     if is_global_zero:
         try:
             work()
-        except OSError as error:
+        except Exception as error:  # noqa: BLE001 - any failure must reach the other ranks, or they wait for ever
             failure = f"{type(error).__name__}: {error}"
     failure = broadcast(failure)
     if failure is not None:

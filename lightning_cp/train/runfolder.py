@@ -15,6 +15,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
@@ -85,7 +86,7 @@ def check_fresh_or_resumed(run_dir: Path, resuming: bool) -> None:
     Checked by the process that starts the run (Lightning's launcher or global rank 0 of an external one): the others
     find the folder that one just created.
     """
-    if _launched_by_lightning() or int(os.environ.get("RANK", "0")) > 0:
+    if _launched_by_lightning() or rank_zero_only.rank > 0 or int(os.environ.get("NODE_RANK", "0")) > 0:
         return
     if not resuming and run_dir.exists() and any(run_dir.iterdir()):
         raise ConfigError(

@@ -97,7 +97,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, *, log: bool = True) -> pl.Tra
         auto_insert_metric_name=False,
         every_n_train_steps=cfg.checkpoint.every_n_steps,
         save_top_k=cfg.checkpoint.save_top_k,
-        monitor=None,
+        monitor="step" if cfg.checkpoint.save_top_k > 1 else None,  # a count keeps the newest steps
+        mode="max",
         save_last=True,
     )
     trainer_args: dict[str, Any] = plain(cfg.trainer)
@@ -315,6 +316,8 @@ def validate(cfg: DictConfig) -> float:
     """Return the validation loss of the checkpoint named by ``resume_from`` or ``init_from``."""
     check_main_port()
     check_data_sources(cfg)
+    if not has_validation(cfg):
+        raise ConfigError("validate needs validation data: data.val_fraction > 0 or data.val_sources")
     run_dir = runfolder.resolve_run_dir(cfg)
     ckpt = runfolder.resolve_checkpoint(
         cfg.checkpoint.resume_from or cfg.checkpoint.init_from, run_dir, is_readable_checkpoint

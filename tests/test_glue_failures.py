@@ -1,0 +1,78 @@
+"""Failures in the Lightning glue and the main job that must reach every rank or name their cause."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_cp.core.mesh import ContextParallelMesh
+from lightning_cp.core.runtime import ContextParallelRuntime, LayerPolicy
+from lightning_cp.core.step import ContextParallelSetting
+from lightning_cp.lightning import state
+from lightning_cp.train import runfolder
+from lightning_cp.train.config import ConfigError, load_config
+from lightning_cp.train.runner import build_trainer, validate
+
+
+@pytest.mark.parametrize("error", [OSError("disk full"), TypeError("cannot pickle 'generator' object")])
+def test_a_failure_on_global_rank_0_reaches_every_rank(error: Exception) -> None:
+    """Whatever rank 0's part of a checkpoint folder raises is broadcast, so the other ranks raise it too instead of
+    waiting in the broadcast for ever."""
+
+    def fail() -> None:
+        raise error
+
+    told = []
+    for is_global_zero in (True, False):
+        with pytest.raises(RuntimeError, match=f"not written: {type(error).__name__}: "):
+            state._on_global_zero(is_global_zero, lambda failure: told.append(failure) or told[0], Path("x"), fail)
+    assert told[0] == f"{type(error).__name__}: {error}"
+
+
+def test_a_count_of_step_checkpoints_keeps_the_newest() -> None:
+    """``checkpoint.save_top_k: 3`` builds a Trainer (Lightning needs a quantity to rank by: the step, newest kept)."""
+    trainer = build_trainer(load_config(None, ["checkpoint.save_top_k=3"]), Path("unused"), log=False)
+    (checkpoint,) = [cb for cb in trainer.callbacks if type(cb).__name__ == "ModelCheckpoint"]
+    assert (checkpoint.save_top_k, checkpoint.monitor, checkpoint.mode) == (3, "step", "max")
+
+
+def test_validate_without_validation_data_says_so() -> None:
+    cfg = load_config(None, ["data.val_fraction=0", "checkpoint.init_from=/some/checkpoint.ckpt"])
+    with pytest.raises(ConfigError, match="validate needs validation data"):
+        validate(cfg)
+
+
+def test_only_the_first_process_of_a_launch_checks_the_run_folder(tmp_path: Path, monkeypatch) -> None:
+    """Under SLURM (``SLURM_PROCID``, no ``RANK``) or on a later node, other processes find the folder rank 0 has
+    just written and must not call it another run's."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("seed: 0\n")
+    with pytest.raises(ConfigError, match="holds another run"):
+        runfolder.check_fresh_or_resumed(run_dir, resuming=False)
+    monkeypatch.setattr(runfolder.rank_zero_only, "rank", 3)
+    runfolder.check_fresh_or_resumed(run_dir, resuming=False)
+    monkeypatch.setattr(runfolder.rank_zero_only, "rank", 0)
+    monkeypatch.setenv("NODE_RANK", "1")
+    runfolder.check_fresh_or_resumed(run_dir, resuming=False)
+
+
+class _KeywordBlock(nn.Module):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states
+
+
+def test_a_block_given_its_residual_as_a_keyword_is_a_clear_error() -> None:
+    model = nn.Sequential()
+    model.add_module("AttentionBlock", _KeywordBlock())
+    runtime = ContextParallelRuntime(
+        ContextParallelSetting(ContextParallelMesh.single_process()),
+        LayerPolicy(zigzag_layers=("AttentionBlock",), contiguous_layers=()),
+    )
+    runtime.wrap(model)
+    batch = {"input_ids": torch.ones(1, 4, dtype=torch.long)}
+    with runtime.step(batch), pytest.raises(TypeError, match="no residual stream as its first positional argument"):
+        model.AttentionBlock(hidden_states=torch.zeros(1, 4, 8))
