@@ -76,3 +76,13 @@ def test_a_block_given_its_residual_as_a_keyword_is_a_clear_error() -> None:
     batch = {"input_ids": torch.ones(1, 4, dtype=torch.long)}
     with runtime.step(batch), pytest.raises(TypeError, match="no residual stream as its first positional argument"):
         model.AttentionBlock(hidden_states=torch.zeros(1, 4, 8))
+
+
+def test_a_checkpoint_file_replaces_a_checkpoint_folder_of_its_name(tmp_path: Path) -> None:
+    """Resumed from a distributed checkpoint with ``checkpoint.distributed`` off, ``last.ckpt`` becomes a file."""
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    (folder / "meta.pt").write_bytes(b"old")
+    runfolder.AtomicCheckpointIO().save_checkpoint({"global_step": 4}, folder)
+    assert folder.is_file() and torch.load(folder)["global_step"] == 4
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["last.ckpt"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -191,8 +192,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Save ``checkpoint`` to ``path`` atomically."""
-        write_atomically(Path(path), lambda handle: torch.save(checkpoint, handle), mode="wb")
+        """Save ``checkpoint`` to ``path`` atomically; a checkpoint folder of that name (a run resumed with
+        ``checkpoint.distributed`` switched off) is moved aside first and removed once the file is in place."""
+        path = Path(path)
+        aside = path.with_name(f"{path.name}.replaced")
+        if path.is_dir():
+            shutil.rmtree(aside, ignore_errors=True)
+            path.rename(aside)
+        write_atomically(path, lambda handle: torch.save(checkpoint, handle), mode="wb")
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 class RunCSVLogger(CSVLogger):
