@@ -86,3 +86,21 @@ def test_a_checkpoint_file_replaces_a_checkpoint_folder_of_its_name(tmp_path: Pa
     runfolder.AtomicCheckpointIO().save_checkpoint({"global_step": 4}, folder)
     assert folder.is_file() and torch.load(folder)["global_step"] == 4
     assert sorted(path.name for path in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_a_checkpoint_folder_saved_before_the_first_optimizer_step_loads(tmp_path: Path) -> None:
+    """An optimizer without state yet (saved before its first step, or one whose steps a grad scaler skipped) is
+    saved as its groups alone; loading that folder leaves it fresh instead of asking DCP for state it never had."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    module, fresh = nn.Linear(3, 2), nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(module.parameters())
+    folder = tmp_path / "step000000.ckpt"
+    shards = {"state_dict": state.model_state(module, full=False)}
+    shards["optimizer_0"] = state.optimizer_state(module, optimizer, full=False)
+    dcp.save(shards, checkpoint_id=folder)
+    torch.save({"global_step": 0}, folder / state.META_FILE)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    assert state.load_distributed(folder, fresh, [fresh_optimizer])["global_step"] == 0
+    assert torch.equal(fresh.weight, module.weight) and not fresh_optimizer.state

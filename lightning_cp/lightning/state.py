@@ -136,8 +136,11 @@ def load_distributed(
     model_shards = {"state_dict": model_state(module, full=False)}
     dcp.load(model_shards, checkpoint_id=path)
     set_model_state_dict(module, model_shards["state_dict"], options=StateDictOptions(strict=strict))
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     for index, optimizer in enumerate(optimizers):
         key = f"optimizer_{index}"
+        if not any(name.startswith(f"{key}.state.") for name in saved):
+            continue  # saved before its first step (``optimizer_state``): no state to restore, it starts afresh
         optimizer_shards = {key: get_optimizer_state_dict(module, optimizer)}  # the template DCP fills
         dcp.load(optimizer_shards, checkpoint_id=path)
         set_optimizer_state_dict(module, optimizer, optimizer_shards[key])

@@ -418,8 +418,9 @@ class CPZigzagStrategy(DDPStrategy):
         path = Path(filepath)
         if self.is_global_zero and path.is_dir():
             removing = path.with_name(path.name + ".removing")
+            shutil.rmtree(removing, ignore_errors=True)  # left by a removal that was interrupted
             path.rename(removing)
-            shutil.rmtree(removing)
+            shutil.rmtree(removing, ignore_errors=True)  # the other ranks go on: a failure here must not stop rank 0
         else:
             super().remove_checkpoint(filepath)
 
