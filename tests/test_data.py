@@ -151,9 +151,11 @@ def test_a_complete_sampler_serves_every_sample_once_in_equal_steps(samples: int
     assert real == list(range(samples))
     steps = [math.ceil(len(mine) / batch) for mine in served]
     assert steps == [math.ceil(samples / (batch * replicas))] * replicas
-    for mine in served:
-        fillers = [i for i, index in enumerate(mine) if index == samples]
-        assert fillers in ([], [len(mine) - 1]) and (len(mine) - 1) % batch == 0 if fillers else True  # alone
+    tail = samples % (batch * replicas)
+    filled = [mine for mine in served if samples in mine]
+    assert len(filled) == (max(0, replicas - tail) if tail else 0)  # the replicas the last round misses
+    for mine in filled:  # one filler, alone in its replica's last batch
+        assert mine.count(samples) == 1 and mine[-1] == samples and (len(mine) - 1) % batch == 0
     sampler = ResumableSampler(samples, batch, shuffle=False, num_replicas=replicas, rank=replicas - 1, complete=True)
     assert len(sampler) == len(served[-1])
 

@@ -55,6 +55,13 @@ def resolve_parallel_dims(
     return ParallelDims(replicas, context_parallel_size, tensor_parallel_size, ulysses_size)
 
 
+def default_context_parallel_size(
+    context_parallel_size: int | None, devices_per_node: int, tensor_parallel_size: int
+) -> int:
+    """``context_parallel_size``, or when it is None all of a node's devices divided by the tensor-parallel size."""
+    return context_parallel_size or max(1, devices_per_node // tensor_parallel_size)
+
+
 def check_ulysses_size(context_parallel_size: int, ulysses_size: int) -> None:
     """Check that a Ulysses part (above 1: hybrid attention) divides cp and leaves a ring of at least two."""
     if ulysses_size > 1 and (context_parallel_size % ulysses_size or ulysses_size == context_parallel_size):

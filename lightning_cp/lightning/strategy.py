@@ -33,6 +33,7 @@ from lightning_cp.core.mesh import (
     ContextParallelMesh,
     build_context_parallel_mesh,
     check_ulysses_size,
+    default_context_parallel_size,
     resolve_parallel_dims,
     validate_parallel_sizes,
 )
@@ -201,7 +202,9 @@ class CPZigzagStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         """Check the sizes against the world size, start the process group, build the mesh and wait for all ranks."""
-        context_parallel_size = self.context_parallel_size or max(1, self.num_processes // self.tensor_parallel_size)
+        context_parallel_size = default_context_parallel_size(
+            self.context_parallel_size, self.num_processes, self.tensor_parallel_size
+        )
         if self.attention_mode == "auto":
             self._choose_attention_mode(context_parallel_size)
         dims = resolve_parallel_dims(

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from lightning_cp.core.attention.api import MODES
+from lightning_cp.core.mesh import default_context_parallel_size
 from lightning_cp.core.runtime import LayerPolicy
 from lightning_cp.core.zigzag import LAYOUT_NAMES
 from lightning_cp.lightning.fsdp import DATA_PARALLEL_MODES
@@ -331,7 +332,7 @@ def _check_values(cfg: DictConfig) -> None:
     tp = cfg.strategy.tensor_parallel_size
     known_devices = isinstance(per_node, int) and not isinstance(per_node, bool) and per_node > 0
     try:
-        cp_known = cp or (max(1, per_node // tp) if known_devices else None)
+        cp_known = default_context_parallel_size(cp, per_node, tp) if known_devices else cp
         check_attention_settings(
             strategy.attention_mode.value, strategy.ulysses_size, strategy.sequence_parallel, cp_known
         )

@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
+from lightning_cp.core.mesh import default_context_parallel_size
 from lightning_cp.lightning import state
 from lightning_cp.lightning.callback import ContextParallelLayoutCallback
 from lightning_cp.lightning.module import CausalLMModule
@@ -65,9 +66,12 @@ def build_model(cfg: DictConfig) -> CausalLMModule:
     if pretrained:
         from lightning_cp.lightning.hf import HFCausalLM
 
-        run_time = {"gradient_checkpointing": architecture["activation_checkpointing"]}
-        run_time["loss_chunk_tokens"] = architecture["loss_chunk_tokens"]
-        model: CausalLMModule = HFCausalLM(pretrained, **run_time, **optim)
+        model: CausalLMModule = HFCausalLM(
+            pretrained,
+            gradient_checkpointing=architecture["activation_checkpointing"],
+            loss_chunk_tokens=architecture["loss_chunk_tokens"],
+            **optim,
+        )
     else:
         model = LlamaLM(**architecture, **optim)
     if cfg.checkpoint.init_from and state.is_distributed_checkpoint(cfg.checkpoint.init_from):
@@ -251,7 +255,7 @@ def data_parallel_replicas(cfg: DictConfig) -> int:
     if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
         return 1
     tp = cfg.strategy.tensor_parallel_size
-    cp = cfg.strategy.context_parallel_size or max(1, per_node // tp)
+    cp = default_context_parallel_size(cfg.strategy.context_parallel_size, per_node, tp)
     return per_node * cfg.trainer.num_nodes // (cp * tp)
 
 

@@ -384,7 +384,11 @@ class PackedTextDataModule(pl.LightningDataModule):
             training += f" on {num_replicas} data-parallel replicas"
         budget = f"data.tokens_per_sample={self.tokens_per_sample}"
         for name, samples, check in (("training", self.train_samples, train), ("validation", self.val_samples, val)):
-            need, asked = (self.samples_per_batch * num_replicas, training) if name == "training" else (1, "validation")
+            if name == "training":
+                need, asked = self.samples_per_batch * num_replicas, training
+                samples_needed = f"{need} training sample" + ("s" if need > 1 else "")
+            else:
+                need, asked, samples_needed = 1, "validation", "a sample"
             count = len(samples) if samples is not None else 0
             if not check or samples is None or count >= need:
                 continue
@@ -408,7 +412,6 @@ class PackedTextDataModule(pl.LightningDataModule):
                     fixes.append(f"set data.tokens_per_sample to at most {tokens // need}")
             fixes.append("add documents" if name == "training" else "raise data.val_fraction (or add data.val_sources)")
             advice = ", ".join(fixes[:-1]) + (", or " if len(fixes) > 1 else "") + fixes[-1]
-            samples_needed = f"{need} {name} sample" + ("s" if need > 1 else "") if name == "training" else "a sample"
             return f"{asked} needs {samples_needed} for one batch, but {made}: {advice}"
         return None
 
