@@ -110,7 +110,7 @@ def test_resume_after_a_kill_continues_with_the_same_steps_and_losses(full_run: 
     root = full_run.parent
     killed = root / "killed"
     process = subprocess.Popen(
-        [SCRIPT, "fit", *SHORT, f"run.root={root}", "run.name=killed"],
+        [SCRIPT, "fit", *SHORT, f"run.root={root}", "run.name=killed", "checkpoint.resume_from=auto"],  # fresh
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=cli_env(),
@@ -128,7 +128,7 @@ def test_resume_after_a_kill_continues_with_the_same_steps_and_losses(full_run: 
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
     assert torch.load(killed / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] in (12, 18)
-    result = run_cli("fit", *SHORT, f"run.root={root}", "run.name=killed", "checkpoint.resume_from=last")
+    result = run_cli("fit", *SHORT, f"run.root={root}", "run.name=killed", "checkpoint.resume_from=auto")  # resumed
     assert result.returncode == 0, result.stderr[-3000:]
     (steps, train), (val_steps, val) = run_losses(killed)
     (full_steps, full_train), (full_val_steps, full_val) = run_losses(full_run)

@@ -131,7 +131,7 @@ def test_sampler_is_deterministic_splits_over_replicas_and_resumes() -> None:
     ranks = [list(ResumableSampler(20, 2, seed=3, num_replicas=2, rank=r)) for r in range(2)]
     assert sorted(ranks[0] + ranks[1]) == list(range(20))
     resumed = ResumableSampler(20, 2, seed=3, passes=2)
-    resumed.skip_batches(epoch=0, batches=7)
+    resumed.resume(epoch=0, samples=14, batches=7)
     assert list(resumed) == full[14:] and len(resumed) == 40
     resumed.set_epoch(1)
     next_epoch = ResumableSampler(20, 2, seed=3, passes=2)
@@ -177,10 +177,16 @@ def test_the_validation_loader_serves_every_sample_and_fillers_score_nothing() -
     assert bool((filler["labels"] == -100).all())
 
 
-def _fake_trainer(global_step: int) -> SimpleNamespace:
+def _fake_trainer(batches_done: int) -> SimpleNamespace:
     strategy = SimpleNamespace(distributed_sampler_kwargs=None)
+    progress = SimpleNamespace(current=SimpleNamespace(processed=batches_done))
     return SimpleNamespace(
-        max_steps=30, accumulate_grad_batches=1, global_step=global_step, current_epoch=0, strategy=strategy
+        max_steps=30,
+        max_epochs=None,
+        accumulate_grad_batches=1,
+        current_epoch=0,
+        strategy=strategy,
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
     )
 
 

@@ -18,6 +18,7 @@ import torch
 
 from lightning_cp.train import runfolder
 from lightning_cp.train.cli import main, report
+from lightning_cp.train.config import load_config
 from lightning_cp.train.runner import EndRanksOnFailure, StopOnNonFiniteLoss, end_ranks_left_behind
 from tests.cli_helpers import SCRIPT, cli_env, run_cli
 
@@ -105,6 +106,29 @@ def test_resume_from_last_falls_back_to_the_newest_intact_checkpoint(tmp_path: P
 
     resolved = runfolder.resolve_checkpoint("last", tmp_path, is_readable_checkpoint)
     assert resolved == str(folder / "step000008.ckpt")
+
+
+def test_resume_from_auto_resumes_a_checkpoint_or_restarts_a_folder_without_one(tmp_path: Path, monkeypatch) -> None:
+    """``auto`` (for requeued jobs): the newest readable checkpoint when the folder has one, else a fresh start that
+    drops the metrics of the run that ended before its first checkpoint."""
+    from lightning_cp.train.runner import is_readable_checkpoint, prepare_run
+
+    monkeypatch.setenv(runfolder.RUN_DIR_ENV, "")  # prepare_run pins the run folder here; undone afterwards
+
+    run_dir = tmp_path / "job"
+    overrides = [f"run.root={tmp_path}", "run.name=job", "checkpoint.resume_from=auto"]
+    assert prepare_run(load_config(overrides=overrides)) == (run_dir, None)
+    metrics = run_dir / runfolder.METRICS_FILE
+    runfolder.write_metrics(metrics, [{"step": "0", "train/loss": "5.0"}], ["step", "train/loss"])
+    assert prepare_run(load_config(overrides=overrides)) == (run_dir, None), "a folder without checkpoints restarts"
+    assert runfolder.read_metrics(metrics) == []
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"")  # killed mid-save, and nothing older: restart
+    assert runfolder.resolve_checkpoint("auto", run_dir, is_readable_checkpoint) is None
+    torch.save({"global_step": 3}, run_dir / "checkpoints" / "step000003.ckpt")
+    assert runfolder.resolve_checkpoint("auto", run_dir, is_readable_checkpoint) == str(
+        run_dir / "checkpoints" / "step000003.ckpt"
+    )
 
 
 class _ExplodingLoss(pl.LightningModule):

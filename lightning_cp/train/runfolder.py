@@ -102,10 +102,10 @@ def check_fresh_or_resumed(run_dir: Path, resuming: bool) -> None:
 def resolve_checkpoint(path: str | None, run_dir: Path, readable: Callable[[str], bool] | None = None) -> str | None:
     """Return the checkpoint (a file, or a folder of shards) ``path`` names; ``"last"`` is the run folder's
     ``checkpoints/last.ckpt``, or, when that one is missing or unreadable (``readable``), the newest readable step
-    checkpoint (saying so)."""
+    checkpoint (saying so); ``"auto"`` is the same, or None (a fresh start) when the run folder has none."""
     if path is None:
         return None
-    if path != "last":
+    if path not in ("last", "auto"):
         resolved = Path(path).expanduser()
         if not resolved.exists():
             raise FileNotFoundError(f"checkpoint {resolved} does not exist")
@@ -117,6 +117,8 @@ def resolve_checkpoint(path: str | None, run_dir: Path, readable: Callable[[str]
             if candidate.name != LAST_CHECKPOINT:
                 print(f"lightning-cp: {folder / LAST_CHECKPOINT} is missing or unreadable; resuming {candidate.name}")
             return str(candidate)
+    if path == "auto":
+        return None
     raise FileNotFoundError(f"no readable checkpoint in {folder}")
 
 

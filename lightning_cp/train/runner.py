@@ -93,6 +93,19 @@ def has_validation(cfg: DictConfig) -> bool:
     return bool(cfg.data.val_sources) or cfg.data.val_fraction > 0
 
 
+def validation_schedule(trainer_args: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's arguments for validating every ``val_check_interval`` optimizer steps (Lightning counts batches,
+    ``accumulate_grad_batches`` of them per step, and restarts the count each epoch); a fraction is of the run's
+    ``max_steps`` when it has them, else of each epoch, as in Lightning."""
+    interval, max_steps = trainer_args["val_check_interval"], trainer_args["max_steps"]
+    if isinstance(interval, float) and max_steps > 0:
+        interval = max(1, round(interval * max_steps))
+    if isinstance(interval, float):
+        return {}
+    steps = min(interval, max_steps) if max_steps > 0 else interval
+    return {"val_check_interval": steps * trainer_args["accumulate_grad_batches"], "check_val_every_n_epoch": None}
+
+
 def build_trainer(cfg: DictConfig, run_dir: Path, *, log: bool = True) -> pl.Trainer:
     """Return a Trainer that logs ``metrics.csv`` (unless ``log`` is false) and checkpoints into ``run_dir``."""
     checkpoint = ModelCheckpoint(
@@ -106,9 +119,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, *, log: bool = True) -> pl.Tra
         save_last=True,
     )
     trainer_args: dict[str, Any] = plain(cfg.trainer)
-    interval, max_steps = trainer_args["val_check_interval"], trainer_args["max_steps"]
-    if isinstance(interval, int) and 0 < max_steps < interval:
-        trainer_args["val_check_interval"] = max_steps
+    trainer_args.update(validation_schedule(trainer_args))
     if not has_validation(cfg):
         rank_zero_info("lightning-cp: no validation data (data.val_fraction=0, no data.val_sources): training without")
         trainer_args["limit_val_batches"] = 0
@@ -275,15 +286,15 @@ def prepare_data_first(cfg: DictConfig, datamodule: PackedTextDataModule, stage:
 def prepare_run(cfg: DictConfig) -> tuple[Path, str | None]:
     """Resolve the run folder and checkpoints and check them; on rank 0 save the config and trim stale metrics."""
     run_dir = runfolder.resolve_run_dir(cfg)
-    runfolder.check_fresh_or_resumed(run_dir, resuming=cfg.checkpoint.resume_from is not None)
+    runfolder.check_fresh_or_resumed(run_dir, resuming=cfg.checkpoint.resume_from is not None)  # "auto" may resume
     resume = runfolder.resolve_checkpoint(cfg.checkpoint.resume_from, run_dir, is_readable_checkpoint)
+    restarting = resume is None and cfg.checkpoint.resume_from == "auto"  # a folder left before its first checkpoint
     cfg.checkpoint.init_from = runfolder.resolve_checkpoint(cfg.checkpoint.init_from, run_dir)
     if cfg.checkpoint.init_from:
         check_checkpoint_fits(cfg, cfg.checkpoint.init_from, "checkpoint.init_from")
-    if resume is not None:
-        step = check_checkpoint_fits(cfg, resume, "checkpoint.resume_from")["global_step"]
-        if rank_zero_only.rank == 0:
-            runfolder.truncate_metrics(run_dir / runfolder.METRICS_FILE, step)
+    step = check_checkpoint_fits(cfg, resume, "checkpoint.resume_from")["global_step"] if resume is not None else 0
+    if (resume is not None or restarting) and rank_zero_only.rank == 0:
+        runfolder.truncate_metrics(run_dir / runfolder.METRICS_FILE, step)
     if rank_zero_only.rank == 0:
         runfolder.save_config(cfg, run_dir)
     return run_dir, resume

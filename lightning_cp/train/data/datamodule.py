@@ -18,6 +18,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -264,6 +265,8 @@ class PackedTextDataModule(pl.LightningDataModule):
         self.train_samples: Dataset | None = None
         self.val_samples: Dataset | None = None
         self._plan: dict[str, Any] | None = None
+        self._saved_position: tuple[int, int] | None = None
+        self._resumed_at = (0, 0, 0)
 
     def _cache_plan(self) -> dict[str, Any]:
         """The cache folder (None: prepare in memory), the folder names, the sources' size; worked out once."""
@@ -435,11 +438,12 @@ class PackedTextDataModule(pl.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        """Serve enough seeded passes for ``max_steps`` (or one per epoch), starting where a resumed run stopped."""
+        """Serve one seeded pass per epoch (or, with ``max_steps`` and no ``max_epochs``, one epoch of enough passes
+        for ``max_steps``), starting where a resumed run stopped."""
         num_replicas, rank = self._replicas()
         trainer = self.trainer
         passes = 1
-        if trainer is not None and trainer.max_steps > 0:
+        if trainer is not None and trainer.max_steps > 0 and trainer.max_epochs in (None, -1):
             needed = trainer.max_steps * trainer.accumulate_grad_batches * self.samples_per_batch * num_replicas
             passes = max(1, math.ceil(needed / len(self.train_samples)))
         sampler = ResumableSampler(
@@ -452,9 +456,34 @@ class PackedTextDataModule(pl.LightningDataModule):
             rank=rank,
         )
         if trainer is not None:
-            done = trainer.global_step * trainer.accumulate_grad_batches
-            sampler.skip_batches(trainer.current_epoch, done - trainer.current_epoch * sampler.batches_per_epoch)
+            epoch, batches = trainer.current_epoch, self._batches_done(trainer)
+            saved_epoch, samples = self._saved_position or (epoch, batches * num_replicas * self.samples_per_batch)
+            samples = samples if saved_epoch == epoch else 0
+            sampler.resume(epoch, samples, batches)
+            self._resumed_at = (epoch, samples, batches)
         return self._loader(self.train_samples, sampler)
+
+    @staticmethod
+    def _batches_done(trainer: pl.Trainer) -> int:
+        """This rank's batches of the current epoch that training has done (Lightning's count; restored on resume)."""
+        return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+    def state_dict(self) -> dict[str, int]:
+        """Where training stands: the epoch and how many samples of its stream, over all replicas, are done. Saved
+        in every checkpoint, so a resumed run continues with the next unseen sample at any data-parallel size."""
+        if self.trainer is None:
+            return {}
+        epoch, samples, batches = self._resumed_at
+        if self.trainer.current_epoch != epoch:
+            epoch, samples, batches = self.trainer.current_epoch, 0, 0
+        per_batch = self._replicas()[0] * self.samples_per_batch
+        return {"epoch": epoch, "samples": samples + (self._batches_done(self.trainer) - batches) * per_batch}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Take the position a checkpoint saved (read when the training loader is built); Lightning's warning that a
+        mid-epoch resume of a plain loader is unreliable does not apply to this one."""
+        self._saved_position = (state_dict["epoch"], state_dict["samples"])
+        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 
     def val_dataloader(self) -> DataLoader:
         """Serve every held-out sample once, in a fixed order, the same number of batches on every replica."""

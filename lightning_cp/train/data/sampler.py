@@ -12,9 +12,9 @@ class ResumableSampler(Sampler[int]):
     """Yield this data-parallel rank's share of ``passes`` seeded passes over ``num_samples`` samples per epoch.
 
     The stream of one epoch is cut to a multiple of ``num_replicas * batch_size`` and dealt out round-robin, so
-    every replica gets whole batches. ``skip_batches(epoch, n)`` makes the next iteration of that epoch start at
-    its ``n``-th batch, which is how a resumed run continues with the same data order. The length stays that of the
-    whole epoch because Lightning restores how many batches of it were already done.
+    every replica gets whole batches. ``resume(epoch, samples, batches)`` makes the next iteration of that epoch
+    continue after the first ``samples`` samples of its stream, which is how a resumed run continues with the same
+    data order, also at another data-parallel size: no sample of the epoch is repeated or left out.
 
     ``complete`` (evaluation): nothing is cut. The samples after the last whole round are dealt out round-robin as
     one more, shorter batch per replica; a replica they do not reach gets ``num_samples``, a filler index for a
@@ -48,7 +48,7 @@ class ResumableSampler(Sampler[int]):
         self.rank = rank
         self.complete = complete
         self.epoch = 0
-        self._skip: dict[int, int] = {}
+        self._resumed: dict[int, tuple[int, int]] = {}
 
     @property
     def batches_per_epoch(self) -> int:
@@ -61,9 +61,11 @@ class ResumableSampler(Sampler[int]):
         """Select the epoch whose order the next iteration yields (Lightning calls this)."""
         self.epoch = epoch
 
-    def skip_batches(self, epoch: int, batches: int) -> None:
-        """Start the next iteration of ``epoch`` at batch ``batches`` (clamped to the epoch length)."""
-        self._skip = {epoch: max(0, min(batches, self.batches_per_epoch))}
+    def resume(self, epoch: int, samples: int, batches: int) -> None:
+        """Continue ``epoch`` after the first ``samples`` samples of its stream (over all replicas, whatever their
+        number then), the rest dealt out afresh; ``batches`` is how many of this replica's batches of the epoch
+        Lightning counts as done, so the length it reads covers them and the rest."""
+        self._resumed = {epoch: (max(0, samples), batches)}
 
     def _stream(self) -> torch.Tensor:
         """Return the sample order of the current epoch over all replicas."""
@@ -74,24 +76,30 @@ class ResumableSampler(Sampler[int]):
                 orders.append(torch.randperm(self.num_samples, generator=generator))
             else:
                 orders.append(torch.arange(self.num_samples))
-        stream = torch.cat(orders)
-        return stream if self.complete else stream[: self.batches_per_epoch * self.num_replicas * self.batch_size]
+        return torch.cat(orders)
 
     def _mine(self) -> torch.Tensor:
-        """This replica's samples of the current epoch, in order (with ``complete``, a filler where the last round
-        leaves it none)."""
+        """This replica's samples of the current epoch, in order, after those a resumed run had done (with
+        ``complete``, a filler where the last round leaves it none)."""
         stream = self._stream()
+        per_round = self.num_replicas * self.batch_size
         if not self.complete:
-            return stream[self.rank :: self.num_replicas]
-        whole = stream.numel() // (self.num_replicas * self.batch_size) * self.num_replicas * self.batch_size
+            rest = stream[self._resumed.get(self.epoch, (0, 0))[0] :]
+            return rest[: rest.numel() // per_round * per_round][self.rank :: self.num_replicas]
+        whole = stream.numel() // per_round * per_round
         rest = stream[whole:][self.rank :: self.num_replicas]
         if whole < stream.numel() and rest.numel() == 0:
             rest = torch.tensor([self.num_samples])
         return torch.cat([stream[:whole][self.rank :: self.num_replicas], rest])
 
     def __iter__(self) -> Iterator[int]:
-        start = self._skip.get(self.epoch, 0) * self.batch_size
-        return iter(self._mine()[start:].tolist())
+        return iter(self._mine().tolist())
 
     def __len__(self) -> int:
-        return self._mine().numel() if self.complete else self.batches_per_epoch * self.batch_size
+        """The epoch's samples for this replica; for a resumed epoch, at least those done before and those left
+        (Lightning ends an epoch when it has counted this many batches, or when the iteration ends)."""
+        if self.complete:
+            return self._mine().numel()
+        samples, batches = self._resumed.get(self.epoch, (0, 0))
+        left = max(0, self.passes * self.num_samples - samples) // (self.num_replicas * self.batch_size)
+        return max(self.batches_per_epoch, batches + left) * self.batch_size

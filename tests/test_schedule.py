@@ -1,0 +1,136 @@
+"""The training schedule on real Lightning trainers and the real datamodule: a resumed fit continues its data stream
+with the next unseen sample (under gradient accumulation across epochs, at another data-parallel size; sample order
+compared exactly), validation runs every ``val_check_interval`` optimizer steps, and ``max_epochs`` bounds a run that
+also has ``max_steps``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_cp import CPZigzagStrategy
+from lightning_cp.train.data import PackedTextDataModule
+from lightning_cp.train.data.datamodule import CACHE_ENV
+from lightning_cp.train.runner import validation_schedule
+from tests.distributed_harness import run_on_ranks
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _data_cache(tmp_path, monkeypatch) -> None:
+    """Prepared data goes to the test's own folder (forked ranks inherit the variable)."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "data-cache"))
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    """A folder of 33 small text files of different lengths: a few dozen packed samples of 128 tokens."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for index in range(33):
+        words = (f"w{index}.{position}" for position in range(3 + 11 * index % 50))
+        (folder / f"{index:02d}.txt").write_text(" ".join(words), encoding="utf-8")
+    return folder
+
+
+class SampleRecorder(pl.LightningModule):
+    """Records each training batch's samples (their token rows, as tuples) in order, and trains nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(()))
+        self.seen: list[tuple[int, ...]] = []
+        self.validated_at: list[int] = []
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        self.seen.append(tuple(batch["input_ids"][0].tolist()))
+        return self.weight * batch["input_ids"].float().mean()
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        if batch_idx == 0:
+            self.validated_at.append(self.trainer.global_step)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def fit_recording(corpus: Path, folder: Path, resume: str | None = None, **trainer_args: Any) -> list[tuple[int, ...]]:
+    """Fit a recorder on ``corpus`` (one sample per batch), a checkpoint after every step into ``folder`` (named by
+    the step); return the samples it saw."""
+    return fit_recorder(corpus, folder, resume, **trainer_args).seen
+
+
+def fit_recorder(corpus: Path, folder: Path, resume: str | None = None, **trainer_args: Any) -> SampleRecorder:
+    """``fit_recording``, returning the recorder (validation off unless ``trainer_args`` ask for it)."""
+    module = SampleRecorder()
+    every_step = ModelCheckpoint(folder, "{step}", auto_insert_metric_name=False, every_n_train_steps=1, save_top_k=-1)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        callbacks=[every_step],
+        **{"limit_val_batches": 0, **trainer_args},
+    )
+    data = PackedTextDataModule([str(corpus)], val_fraction=0.2, tokens_per_sample=128, seed=7)
+    trainer.fit(module, datamodule=data, ckpt_path=resume)
+    return module
+
+
+def test_a_resume_under_accumulation_across_epochs_continues_the_stream(corpus: Path, tmp_path: Path) -> None:
+    """Two epochs whose batch count accumulation does not divide (the last step of an epoch takes fewer batches):
+    resumed in the second epoch, the run sees exactly the batches the uninterrupted run saw after that step."""
+    args = {"devices": 1, "max_epochs": 2, "max_steps": -1, "accumulate_grad_batches": 3}
+    full = fit_recording(corpus, tmp_path / "full", **args)
+    per_epoch = len(full) // 2
+    assert len(full) == 2 * per_epoch and per_epoch % 3, "an epoch the accumulation does not divide"
+    step = per_epoch // 3 + 1 + 2  # two steps into the second epoch
+    resumed = fit_recording(corpus, tmp_path / "resumed", str(tmp_path / "full" / f"{step}.ckpt"), **args)
+    assert resumed == full[per_epoch + 2 * 3 :]
+
+
+def _fit_on_ranks(corpus: Path, folder: Path, resume: str | None, max_steps: int) -> list[tuple[int, ...]]:
+    """One data-parallel rank of a recording fit under ``cp_zigzag`` at cp=1 (each rank a replica)."""
+    strategy = CPZigzagStrategy(context_parallel_size=1)
+    return fit_recording(corpus, folder, resume, devices=2, max_steps=max_steps, strategy=strategy)
+
+
+@pytest.mark.timeout(120)
+def test_a_resume_at_another_data_parallel_size_serves_each_sample_once(corpus: Path, tmp_path: Path) -> None:
+    """dp=2 for 3 steps, then resumed at dp=1 (and the reverse): the samples seen, in stream order, are exactly those
+    a dp=1 run sees, none repeated or left out."""
+    single = fit_recording(corpus, tmp_path / "single", devices=1, max_steps=12)
+    ranks = run_on_ranks(_fit_on_ranks, 2, corpus, tmp_path / "dp2", None, 3, init_process_group=False)
+    assert [sample for batch in zip(*ranks, strict=True) for sample in batch] == single[:6]
+    shrunk = fit_recording(corpus, tmp_path / "dp1", str(tmp_path / "dp2" / "3.ckpt"), devices=1, max_steps=9)
+    assert shrunk == single[6:12]
+    resume = str(tmp_path / "single" / "4.ckpt")
+    grown = run_on_ranks(_fit_on_ranks, 2, corpus, tmp_path / "dp2b", resume, 7, init_process_group=False)
+    assert [sample for batch in zip(*grown, strict=True) for sample in batch] == single[4:10]
+
+
+@pytest.mark.parametrize(("interval", "expected"), [(3, [3, 6]), (0.5, [3, 6]), (4, [4])])
+def test_validation_runs_every_interval_optimizer_steps_under_accumulation(
+    corpus: Path, tmp_path: Path, interval: float, expected: list[int]
+) -> None:
+    """``val_check_interval`` counts optimizer steps (a fraction: of ``max_steps``), not the batches accumulated."""
+    args = {"max_steps": 6, "accumulate_grad_batches": 2, "val_check_interval": interval}
+    module = fit_recorder(corpus, tmp_path, devices=1, max_steps=6, accumulate_grad_batches=2,
+                          limit_val_batches=1, **validation_schedule(args))  # fmt: skip
+    assert module.validated_at == expected
+
+
+def test_max_epochs_ends_a_run_that_has_max_steps_left(corpus: Path, tmp_path: Path) -> None:
+    """As in Lightning, training stops at whichever of ``max_epochs`` and ``max_steps`` comes first: one epoch is one
+    pass over the training samples."""
+    once = fit_recording(corpus, tmp_path / "once", devices=1, max_epochs=1, max_steps=-1)
+    assert fit_recording(corpus, tmp_path / "bounded", devices=1, max_epochs=1, max_steps=500) == once
+    assert len(once) == len(set(once)) < 500
