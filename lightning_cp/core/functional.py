@@ -1,10 +1,12 @@
-"""What model code calls: ``cp_attention``, exact attention under the active step (or on one device without one)."""
+"""What model code calls: ``cp_attention``, exact attention under the active step (or on one device without one), and
+``cp_gather_sequence``, a per-token output of the whole replica batch on every rank."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from lightning_cp.core import comm
 from lightning_cp.core.attention.api import (
     AttentionMode,
     attend_on_shards,
@@ -100,3 +102,19 @@ def cp_attention(
     if layout != CPLayout.ZIGZAG and not head_exchange:
         output = step.convert(output, CPLayout.ZIGZAG, layout)
     return output
+
+
+def cp_gather_sequence(tensor: torch.Tensor) -> torch.Tensor:
+    """Return the replica batch's whole ``[B, S, ...]`` per-token tensor (logits, hidden states, predictions) from this
+    rank's shard of it: in the batch's own token order, without the padding sharding added, on every rank of the
+    replica (what ``predict_step`` returns so predictions match one device's). Differentiable; as is without a step.
+    """
+    step = active_step()
+    if step is None:
+        return tensor
+    group = step.loss_group
+    if group is not None:
+        contiguous = step.convert(tensor, step.boundary_layout, CPLayout.CONTIGUOUS)
+        shards = comm.all_gather_stack(contiguous.transpose(0, 1), group)  # [ranks, S / ranks, B, ...]
+        tensor = shards.flatten(0, 1).transpose(0, 1)
+    return tensor[:, : step.sequence_length]

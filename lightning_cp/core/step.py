@@ -109,6 +109,7 @@ class ContextParallelStep:
     layout_state: ContextParallelLayoutState | None = None
     geometry: ZigzagGeometry | None = None
     stream_length: int = 0
+    sequence_length: int = 0
     dense_padding: int = 0
     owner: Any = None
     layer_conversion_count: int = 0
@@ -251,6 +252,7 @@ def build_step(
         setting,
         packed_seq_params,
         stream_length=sharded.padded_sequence_length,
+        sequence_length=sharded.sequence_length,
         dense_padding=0 if sharded.is_packed else sharded.padding_token_count,
         owner=owner,
     )

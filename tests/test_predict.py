@@ -1,0 +1,64 @@
+"""``trainer.predict`` under ``cp_zigzag``: ``cp_gather_sequence`` gives every rank the whole batch's per-token outputs,
+equal to one process's (float64, 1e-10), for packed and dense batches and either boundary layout."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy, cp_gather_sequence
+from tests.distributed_harness import run_on_ranks
+from tests.model_helpers import HYBRID, POLICY, TRAINER_OPTIONS, TinyTransformer, dense_batches, packed_batches
+
+torch.set_num_threads(1)
+
+
+class Predictor(TinyTransformer):
+    """Predicts each token's logits, gathered over the ranks sharing the sequence."""
+
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        return cp_gather_sequence(self(batch["input_ids"], batch["position_ids"]))
+
+
+def batches() -> list[dict[str, torch.Tensor]]:
+    """Two packed and two dense batches (lengths that need padding at cp=2)."""
+    return packed_batches(2) + dense_batches(2, seq_len=21)
+
+
+def predict(world_size: int, strategy: dict[str, Any]) -> list[np.ndarray]:
+    """Predict the batches with a fresh model under ``cp_zigzag(**strategy)`` (one process: plain Lightning); as
+    arrays, which reach the test process by value."""
+    os.environ["WORLD_SIZE"] = str(world_size)
+    model = Predictor(HYBRID)
+    trainer = pl.Trainer(
+        devices=world_size,
+        strategy=CPZigzagStrategy(**strategy) if strategy else "auto",
+        callbacks=[ContextParallelLayoutCallback(**POLICY)],
+        **TRAINER_OPTIONS,
+    )
+    return [prediction.numpy() for prediction in trainer.predict(model, DataLoader(batches(), batch_size=None))]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("world_size", "strategy"),
+    [
+        (2, {"context_parallel_size": 2}),
+        (2, {"context_parallel_size": 2, "boundary_layout": "zigzag", "attention_mode": "ring"}),
+    ],
+    ids=["cp2", "cp2-zigzag-boundary"],
+)
+def test_predictions_are_the_whole_sequence_on_every_rank(world_size: int, strategy: dict[str, Any]) -> None:
+    reference = predict(1, {})
+    ranks = run_on_ranks(predict, world_size, world_size, strategy, init_process_group=False)
+    for rank, predictions in enumerate(ranks):
+        assert len(predictions) == len(reference)
+        for got, expected in zip(predictions, reference, strict=True):
+            assert got.shape == expected.shape, f"rank {rank}"
+            np.testing.assert_allclose(got, expected, rtol=0, atol=1e-10, err_msg=f"rank {rank}")
