@@ -104,3 +104,18 @@ def test_a_checkpoint_folder_saved_before_the_first_optimizer_step_loads(tmp_pat
     fresh_optimizer = torch.optim.AdamW(fresh.parameters())
     assert state.load_distributed(folder, fresh, [fresh_optimizer])["global_step"] == 0
     assert torch.equal(fresh.weight, module.weight) and not fresh_optimizer.state
+
+
+def test_a_checkpoint_folder_loads_non_strictly_into_a_module_with_more_parameters(tmp_path: Path) -> None:
+    """``strict_loading = False`` (a module that grew a head since): the folder's weights load, the new ones stay as
+    they were; strict loading names the missing key."""
+    torch.manual_seed(0)
+    saved = nn.Sequential(nn.Linear(3, 2))
+    folder = tmp_path / "last.ckpt"
+    state.save_distributed({"state_dict": state.model_state(saved, full=False)}, folder, True, lambda outcome: outcome)
+    grown = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+    new_head = grown[1].weight.detach().clone()
+    state.load_distributed(folder, grown, [], strict=False)
+    assert torch.equal(grown[0].weight, saved[0].weight) and torch.equal(grown[1].weight, new_head)
+    with pytest.raises(RuntimeError, match=r"missing \[.1\.bias., .1\.weight.\], unexpected \[\]"):
+        state.load_distributed(folder, nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2)), [], strict=True)

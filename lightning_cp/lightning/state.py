@@ -132,11 +132,13 @@ def load_distributed(
     path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], strict: bool = True
 ) -> dict[str, Any]:
     """Load a checkpoint folder into the module and optimizers (DCP reshards to this run's layout) and return the
-    rest of the checkpoint."""
+    rest of the checkpoint; not ``strict``, weights the folder lacks keep their values."""
     model_shards = {"state_dict": model_state(module, full=False)}
-    dcp.load(model_shards, checkpoint_id=path)
-    set_model_state_dict(module, model_shards["state_dict"], options=StateDictOptions(strict=strict))
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if strict:
+        _check_same_weights(path, set(model_shards["state_dict"]), saved)
+    dcp.load(model_shards, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+    set_model_state_dict(module, model_shards["state_dict"], options=StateDictOptions(strict=strict))
     for index, optimizer in enumerate(optimizers):
         key = f"optimizer_{index}"
         if not any(name.startswith(f"{key}.state.") for name in saved):
@@ -145,6 +147,18 @@ def load_distributed(
         dcp.load(optimizer_shards, checkpoint_id=path)
         set_optimizer_state_dict(module, optimizer, optimizer_shards[key])
     return torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+
+
+def _check_same_weights(path: Path, names: set[str], saved: Mapping[str, Any]) -> None:
+    """Refuse, as ``load_state_dict(strict=True)`` does, a folder whose weights are not the module's (named)."""
+    prefix = "state_dict."
+    saved_names = {key.removeprefix(prefix) for key in saved if key.startswith(prefix)}
+    missing, unexpected = sorted(names - saved_names), sorted(saved_names - names)
+    if missing or unexpected:
+        raise RuntimeError(
+            f"checkpoint folder {path} does not hold this module's weights: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]} (set the module's strict_loading = False to load the ones it holds)"
+        )
 
 
 def load_distributed_weights(module: nn.Module, path: str | Path) -> None:
