@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_cp import CPZigzagStrategy
 from lightning_cp.train.data import PackedTextDataModule
 from lightning_cp.train.data.datamodule import CACHE_ENV
+from lightning_cp.train.models.module import LlamaLM
 from lightning_cp.train.runner import validation_schedule
 from tests.distributed_harness import run_on_ranks
 
@@ -134,3 +135,16 @@ def test_max_epochs_ends_a_run_that_has_max_steps_left(corpus: Path, tmp_path: P
     once = fit_recording(corpus, tmp_path / "once", devices=1, max_epochs=1, max_steps=-1)
     assert fit_recording(corpus, tmp_path / "bounded", devices=1, max_epochs=1, max_steps=500) == once
     assert len(once) == len(set(once)) < 500
+
+
+def test_the_learning_rate_schedule_ends_with_the_epochs_that_end_the_run(corpus: Path, tmp_path: Path) -> None:
+    """With ``max_epochs`` ending the run before ``max_steps``, the cosine decay reaches its floor at that end."""
+    module = LlamaLM(lr=1e-3, warmup_steps=2, min_lr_ratio=0.1, hidden_size=32, num_layers=1, num_heads=2,
+                     num_kv_heads=1, intermediate_size=64)  # fmt: skip
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, max_steps=10_000, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, use_distributed_sampler=False)  # fmt: skip
+    data = PackedTextDataModule([str(corpus)], val_fraction=0.2, tokens_per_sample=128, seed=7)
+    trainer.fit(module, datamodule=data)
+    assert 10 < trainer.global_step < 10_000
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-4, rel=1e-3)

@@ -78,7 +78,8 @@ class CausalLMModule(pl.LightningModule):
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:
-        """AdamW (no decay on norms and biases) with linear warm-up and cosine decay over the run's steps."""
+        """AdamW (no decay on norms and biases) with linear warm-up and cosine decay over the run's steps (the fewer of
+        ``max_steps`` and those of ``max_epochs``)."""
         hp = self.hparams
         decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
@@ -87,7 +88,9 @@ class CausalLMModule(pl.LightningModule):
             lr=hp.lr,
             betas=tuple(hp.betas),
         )
-        total = self.trainer.max_steps if self.trainer.max_steps > 0 else int(self.trainer.estimated_stepping_batches)
+        trainer = self.trainer
+        steps_alone = trainer.max_steps > 0 and trainer.max_epochs in (None, -1)  # Lightning estimates only with epochs
+        total = trainer.max_steps if steps_alone else int(trainer.estimated_stepping_batches)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, total, hp.min_lr_ratio)
         )
