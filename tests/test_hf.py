@@ -247,12 +247,29 @@ def test_any_module_that_bypasses_cp_attention_fails_before_its_backward():
     )  # fmt: skip
 
 
-def test_what_cannot_be_exact_is_refused():
+def test_a_sliding_window_no_document_outgrows_is_exact_and_a_binding_one_refused():
+    """Mistral-style ``sliding_window``: documents no longer than it train as the unmodified model (HF's own sliding
+    attention, each document alone) does; a longer one is refused, naming both."""
+    batches, documents = make_batches("packed", 1)
+    longest = max(len(doc) for doc in documents[0])
     model = tiny_model("mistral")
-    model.config.sliding_window = 4
-    module = HFCausalLM(model)
-    with pytest.raises(ValueError, match="sliding_window=4"):
-        module._loss(make_batches("packed", 1)[0][0])
+    model.config.sliding_window = longest
+    reference = tiny_model("mistral")
+    reference.config.sliding_window = longest
+    summed = sum(
+        F.cross_entropy(reference(torch.tensor([doc])).logits[0, :-1], torch.tensor(doc[1:]), reduction="sum")
+        for doc in documents[0]
+        if len(doc) > 1
+    )
+    expected = summed / sum(len(doc) - 1 for doc in documents[0])
+    loss, _ = HFCausalLM(model)._loss(dict(batches[0]))
+    torch.testing.assert_close(loss.mean, expected, rtol=1e-10, atol=0)
+    model.config.sliding_window = longest - 1
+    with pytest.raises(ValueError, match=f"sliding_window={longest - 1} over a document of {longest} tokens"):
+        HFCausalLM(model)._loss(dict(batches[0]))
+
+
+def test_what_cannot_be_exact_is_refused():
     padded = {
         "input_ids": torch.ones(2, 5, dtype=torch.long),
         "attention_mask": torch.tensor([[1] * 5, [1, 1, 1, 0, 0]]),

@@ -33,12 +33,16 @@ def lightning_cp_attention(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Hugging Face attention signature over ``cp_attention``: ``[B, H, S, D]`` in, ``[B, S, H, D]`` out."""
+    """Hugging Face attention signature over ``cp_attention``: ``[B, H, S, D]`` in, ``[B, S, H, D]`` out.
+
+    A ``sliding_window`` is exact while no document is longer than it (it then hides nothing): Mistral-style configs
+    train on such documents as they are."""
+    window, longest = kwargs.get("sliding_window"), _longest_document(query.shape[2])
     unsupported = {
         "an attention_mask (padding or custom 4-D masks; pack documents instead)": attention_mask is not None,
         f"dropout={dropout}": bool(dropout) and module.training,
         f"softcap={kwargs.get('softcap')}": kwargs.get("softcap") is not None,
-        f"sliding_window={kwargs.get('sliding_window')}": kwargs.get("sliding_window") is not None,
+        f"sliding_window={window} over a document of {longest} tokens": window is not None and longest > window,
     }
     problems = [what for what, present in unsupported.items() if present]
     if problems:
@@ -49,6 +53,15 @@ def lightning_cp_attention(
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     out = cp_attention(*(x.transpose(1, 2) for x in (query, key, value)), causal=causal, softmax_scale=scaling)
     return out, None
+
+
+def _longest_document(local_length: int) -> int:
+    """The token count of the step's longest document (without a step: the ``local_length`` tokens of the row)."""
+    step = active_step()
+    if step is None:
+        return local_length
+    packed = step.contiguous_packed_seq_params
+    return packed.max_seqlen_q if packed is not None else step.sequence_length
 
 
 def _no_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
