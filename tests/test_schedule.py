@@ -1,7 +1,7 @@
 """The training schedule on real Lightning trainers and the real datamodule: a resumed fit continues its data stream
 with the next unseen sample (under gradient accumulation across epochs, at another data-parallel size; sample order
-compared exactly), validation runs every ``val_check_interval`` optimizer steps, and ``max_epochs`` bounds a run that
-also has ``max_steps``."""
+compared exactly), validation runs every ``val_check_interval`` optimizer steps, ``max_epochs`` bounds a run that
+also has ``max_steps`` and its learning-rate schedule, and the throughput is logged per optimizer step."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 
 from lightning_cp import CPZigzagStrategy
 from lightning_cp.train.data import PackedTextDataModule
 from lightning_cp.train.data.datamodule import CACHE_ENV
 from lightning_cp.train.models.module import LlamaLM
-from lightning_cp.train.runner import validation_schedule
+from lightning_cp.train.runfolder import read_metrics
+from lightning_cp.train.runner import TokenThroughput, validation_schedule
 from tests.distributed_harness import run_on_ranks
 
 torch.set_num_threads(1)
@@ -71,14 +73,15 @@ def fit_recorder(corpus: Path, folder: Path, resume: str | None = None, **traine
     """``fit_recording``, returning the recorder (validation off unless ``trainer_args`` ask for it)."""
     module = SampleRecorder()
     every_step = ModelCheckpoint(folder, "{step}", auto_insert_metric_name=False, every_n_train_steps=1, save_top_k=-1)
+    callbacks = [*trainer_args.pop("callbacks", []), every_step]
     trainer = pl.Trainer(
         accelerator="cpu",
-        logger=False,
+        logger=trainer_args.pop("logger", False),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
-        callbacks=[every_step],
+        callbacks=callbacks,
         **{"limit_val_batches": 0, **trainer_args},
     )
     data = PackedTextDataModule([str(corpus)], val_fraction=0.2, tokens_per_sample=128, seed=7)
@@ -148,3 +151,16 @@ def test_the_learning_rate_schedule_ends_with_the_epochs_that_end_the_run(corpus
     trainer.fit(module, datamodule=data)
     assert 10 < trainer.global_step < 10_000
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-4, rel=1e-3)
+
+
+def test_the_throughput_is_the_tokens_of_each_optimizer_step_per_second(corpus: Path, tmp_path: Path) -> None:
+    """``tokens_per_second`` (the main job's) counts every batch accumulated into a step, over the step's time."""
+    ticks = iter(range(1000))
+    throughput = TokenThroughput(clock=lambda: float(next(ticks)))  # every reading one second after the last
+    logger = CSVLogger(tmp_path, name="log")
+    module = fit_recorder(corpus, tmp_path / "checkpoints", devices=1, max_steps=4, accumulate_grad_batches=2,
+                          callbacks=[throughput], logger=logger, log_every_n_steps=1)  # fmt: skip
+    logged = [float(row["tokens_per_second"]) for row in read_metrics(tmp_path / "log" / "version_0" / "metrics.csv")
+              if row.get("tokens_per_second")]  # fmt: skip
+    lengths = [len(sample) for sample in module.seen]
+    assert logged == [float(lengths[2 * step] + lengths[2 * step + 1]) for step in range(4)]

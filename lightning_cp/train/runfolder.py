@@ -266,13 +266,15 @@ def plot_losses(run_dir: Path, unit: str = "token") -> Path:
 
 
 def summary(run_dir: Path) -> str:
-    """Return a one-paragraph summary of the run: steps, first and last validation loss, files."""
+    """Return a one-paragraph summary of the run: steps, first and last validation loss, median throughput."""
     rows = read_metrics(run_dir / METRICS_FILE)
     steps, train = loss_series(rows, "train_loss")
     val_steps, val = loss_series(rows, "val_loss", step_column=VAL_STEP)
+    rates = sorted(loss_series(rows, "tokens_per_second")[1])
     parts = [f"run folder: {run_dir}"]
     if steps:
-        parts.append(f"trained to step {steps[-1] + 1}, last train loss {train[-1]:.4f}")
+        trained = f"trained to step {steps[-1] + 1}, last train loss {train[-1]:.4f}"
+        parts.append(trained + (f", median {rates[len(rates) // 2]:,.0f} tokens/s" if rates else ""))
     if val:
         ppl = math.exp(val[-1]) if val[-1] < 50 else float("inf")
         first, last = f"{val[0]:.4f} (step {val_steps[0]})", f"{val[-1]:.4f} (step {val_steps[-1]}, ppl {ppl:.2f})"

@@ -7,6 +7,7 @@ import pickle
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -130,11 +131,46 @@ def build_trainer(cfg: DictConfig, run_dir: Path, *, log: bool = True) -> pl.Tra
         **trainer_args,
         strategy=build_strategy(cfg),
         logger=runfolder.RunCSVLogger(run_dir) if log else False,
-        callbacks=[layout_callback, checkpoint, *monitors, *finite],
+        callbacks=[TokenThroughput(), layout_callback, checkpoint, *monitors, *finite],
         plugins=[runfolder.AtomicCheckpointIO()],
         use_distributed_sampler=False,
         enable_checkpointing=True,
     )
+
+
+class TokenThroughput(pl.Callback):
+    """Log ``tokens_per_second``: the tokens of every replica's batches (padding not counted) trained per second of
+    wall time, from the end of one optimizer step to the end of the next (data loading included, validation not).
+
+    It reads each batch before the layout callback shards it in place, so it comes first in the callback list.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self._tokens = 0
+        self._since = clock()
+
+    def _restart(self, *_: Any) -> None:
+        """Start timing afresh (training starts or resumes, or validation has just run)."""
+        self._tokens, self._since = 0, self.clock()
+
+    on_train_start = on_validation_end = _restart
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:
+        """Count the replica batch's tokens, times the replicas."""
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
+        self._tokens += int(batch["input_ids"].numel()) * (kwargs["num_replicas"] if kwargs else 1)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        """At the end of an optimizer step, log the tokens since the previous one per second."""
+        if trainer.fit_loop._should_accumulate():
+            return
+        now = self.clock()
+        rate = self._tokens / max(now - self._since, 1e-9)
+        pl_module.log("tokens_per_second", rate, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
+        self._tokens, self._since = 0, now
 
 
 class StopOnNonFiniteLoss(pl.Callback):
