@@ -119,3 +119,19 @@ def test_a_checkpoint_folder_loads_non_strictly_into_a_module_with_more_paramete
     assert torch.equal(grown[0].weight, saved[0].weight) and torch.equal(grown[1].weight, new_head)
     with pytest.raises(RuntimeError, match=r"missing \[.1\.bias., .1\.weight.\], unexpected \[\]"):
         state.load_distributed(folder, nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2)), [], strict=True)
+
+
+def test_a_checkpoint_folder_lacking_weights_cannot_resume_the_optimizer(tmp_path: Path) -> None:
+    """Non-strict, with optimizer state saved: the folder's state is not this module's optimizer's, a clear error
+    (DCP's own is a ``BaseException``, which ``except Exception`` misses)."""
+    saved = nn.Sequential(nn.Linear(3, 2))
+    optimizer = torch.optim.AdamW(saved.parameters())
+    saved(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    checkpoint = {"state_dict": state.model_state(saved, full=False)}
+    checkpoint["optimizer_states"] = [state.optimizer_state(saved, optimizer, full=False)]
+    folder = tmp_path / "last.ckpt"
+    state.save_distributed(checkpoint, folder, True, lambda outcome: outcome)
+    grown = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+    with pytest.raises(RuntimeError, match=r"lacks weights of this module \(\['1\.bias', '1\.weight'\]\)"):
+        state.load_distributed(folder, grown, [torch.optim.AdamW(grown.parameters())], strict=False)

@@ -20,7 +20,7 @@ from lightning_cp.train.data.datamodule import CACHE_ENV
 from lightning_cp.train.models.module import LlamaLM
 from lightning_cp.train.runfolder import read_metrics
 from lightning_cp.train.runner import TokenThroughput, validation_schedule
-from tests.distributed_harness import run_on_ranks
+from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
 
 torch.set_num_threads(1)
 
@@ -63,13 +63,15 @@ class SampleRecorder(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def fit_recording(corpus: Path, folder: Path, resume: str | None = None, **trainer_args: Any) -> list[tuple[int, ...]]:
+def fit_recording(corpus: Path, folder: Path, resume: str | None = None, **args: Any) -> list[tuple[int, ...]]:
     """Fit a recorder on ``corpus`` (one sample per batch), a checkpoint after every step into ``folder`` (named by
     the step); return the samples it saw."""
-    return fit_recorder(corpus, folder, resume, **trainer_args).seen
+    return fit_recorder(corpus, folder, resume, **args).seen
 
 
-def fit_recorder(corpus: Path, folder: Path, resume: str | None = None, **trainer_args: Any) -> SampleRecorder:
+def fit_recorder(
+    corpus: Path, folder: Path, resume: str | None = None, num_workers: int = 0, **trainer_args: Any
+) -> SampleRecorder:
     """``fit_recording``, returning the recorder (validation off unless ``trainer_args`` ask for it)."""
     module = SampleRecorder()
     every_step = ModelCheckpoint(folder, "{step}", auto_insert_metric_name=False, every_n_train_steps=1, save_top_k=-1)
@@ -84,21 +86,32 @@ def fit_recorder(corpus: Path, folder: Path, resume: str | None = None, **traine
         callbacks=callbacks,
         **{"limit_val_batches": 0, **trainer_args},
     )
-    data = PackedTextDataModule([str(corpus)], val_fraction=0.2, tokens_per_sample=128, seed=7)
+    data = PackedTextDataModule([str(corpus)], val_fraction=0.2, tokens_per_sample=128, seed=7, num_workers=num_workers)
     trainer.fit(module, datamodule=data, ckpt_path=resume)
     return module
 
 
-def test_a_resume_under_accumulation_across_epochs_continues_the_stream(corpus: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_resume_under_accumulation_across_epochs_continues_the_stream(
+    corpus: Path, tmp_path: Path, num_workers: int
+) -> None:
     """Two epochs whose batch count accumulation does not divide (the last step of an epoch takes fewer batches):
-    resumed in the second epoch, the run sees exactly the batches the uninterrupted run saw after that step."""
-    args = {"devices": 1, "max_epochs": 2, "max_steps": -1, "accumulate_grad_batches": 3}
+    resumed in the second epoch, the run sees exactly the batches the uninterrupted run saw after that step (also
+    when worker processes load the batches)."""
+    args = {"devices": 1, "max_epochs": 2, "max_steps": -1, "accumulate_grad_batches": 3, "num_workers": num_workers}
     full = fit_recording(corpus, tmp_path / "full", **args)
     per_epoch = len(full) // 2
     assert len(full) == 2 * per_epoch and per_epoch % 3, "an epoch the accumulation does not divide"
     step = per_epoch // 3 + 1 + 2  # two steps into the second epoch
     resumed = fit_recording(corpus, tmp_path / "resumed", str(tmp_path / "full" / f"{step}.ckpt"), **args)
     assert resumed == full[per_epoch + 2 * 3 :]
+
+
+def test_loaders_rebuilt_every_epoch_serve_whole_epochs(corpus: Path, tmp_path: Path) -> None:
+    """``reload_dataloaders_every_n_epochs=1``: every epoch is a whole pass (a rebuilt loader is no resume)."""
+    once = fit_recording(corpus, tmp_path / "once", devices=1, max_epochs=1, max_steps=-1)
+    args = {"max_epochs": 3, "max_steps": -1, "reload_dataloaders_every_n_epochs": 1}
+    assert len(fit_recording(corpus, tmp_path / "reloaded", devices=1, **args)) == 3 * len(once)
 
 
 def _fit_on_ranks(corpus: Path, folder: Path, resume: str | None, max_steps: int) -> list[tuple[int, ...]]:
@@ -121,6 +134,22 @@ def test_a_resume_at_another_data_parallel_size_serves_each_sample_once(corpus: 
     assert [sample for batch in zip(*grown, strict=True) for sample in batch] == single[4:10]
 
 
+def _fit_epochs_on_ranks(corpus: Path, folder: Path, resume: str) -> None:
+    strategy = CPZigzagStrategy(context_parallel_size=1)
+    fit_recording(corpus, folder, resume, devices=2, max_epochs=2, max_steps=-1, strategy=strategy)
+
+
+@pytest.mark.timeout(120)
+def test_with_epochs_an_epoch_resumed_part_way_keeps_its_data_parallel_size(corpus: Path, tmp_path: Path) -> None:
+    """Lightning keeps one length for every epoch of a loader, so with ``max_epochs`` a part-done epoch cannot be
+    split anew: the same clear error on every rank."""
+    fit_recording(corpus, tmp_path / "dp1", devices=1, max_epochs=1, max_steps=3)
+    assert_same_error_on_every_rank(
+        _fit_epochs_on_ranks, 2, corpus, tmp_path / "dp2", str(tmp_path / "dp1" / "3.ckpt"),
+        match="part-way through epoch 0 on 1 data-parallel replicas", init_process_group=False,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(("interval", "expected"), [(3, [3, 6]), (0.5, [3, 6]), (4, [4])])
 def test_validation_runs_every_interval_optimizer_steps_under_accumulation(
     corpus: Path, tmp_path: Path, interval: float, expected: list[int]
@@ -129,6 +158,19 @@ def test_validation_runs_every_interval_optimizer_steps_under_accumulation(
     args = {"max_steps": 6, "accumulate_grad_batches": 2, "val_check_interval": interval}
     module = fit_recorder(corpus, tmp_path, devices=1, max_steps=6, accumulate_grad_batches=2,
                           limit_val_batches=1, **validation_schedule(args))  # fmt: skip
+    assert module.validated_at == expected
+
+
+def test_with_epochs_validation_runs_at_the_same_steps_of_every_epoch(corpus: Path, tmp_path: Path) -> None:
+    """With ``max_epochs`` the interval counts within each epoch, so it stays on optimizer steps although the
+    accumulation does not divide an epoch's batches."""
+    args = {"max_epochs": 2, "max_steps": -1, "accumulate_grad_batches": 3, "val_check_interval": 5}
+    per_epoch = len(fit_recording(corpus, tmp_path / "once", devices=1, max_epochs=1, max_steps=-1))
+    assert per_epoch % 3 and per_epoch >= 30
+    module = fit_recorder(corpus, tmp_path / "validated", devices=1, limit_val_batches=1,
+                          **{**args, **validation_schedule(args)})  # fmt: skip
+    steps_per_epoch = -(-per_epoch // 3)
+    expected = [epoch * steps_per_epoch + step for epoch in range(2) for step in range(5, per_epoch // 3 + 1, 5)]
     assert module.validated_at == expected
 
 

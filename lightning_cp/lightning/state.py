@@ -135,30 +135,35 @@ def load_distributed(
     rest of the checkpoint; not ``strict``, weights the folder lacks keep their values."""
     model_shards = {"state_dict": model_state(module, full=False)}
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    if strict:
-        _check_same_weights(path, set(model_shards["state_dict"]), saved)
+    missing, unexpected = _weight_differences(set(model_shards["state_dict"]), saved)
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f"checkpoint folder {path} does not hold this module's weights: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]} (set the module's strict_loading = False to load the ones it holds)"
+        )
     dcp.load(model_shards, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
     set_model_state_dict(module, model_shards["state_dict"], options=StateDictOptions(strict=strict))
     for index, optimizer in enumerate(optimizers):
         key = f"optimizer_{index}"
         if not any(name.startswith(f"{key}.state.") for name in saved):
             continue  # saved before its first step (``optimizer_state``): no state to restore, it starts afresh
+        if missing:
+            raise RuntimeError(
+                f"checkpoint folder {path} lacks weights of this module ({missing[:5]}), so its optimizer state "
+                "cannot resume this module's optimizer: load the weights alone (ckpt_path of validate, test or "
+                "predict, or checkpoint.init_from)"
+            )
         optimizer_shards = {key: get_optimizer_state_dict(module, optimizer)}  # the template DCP fills
         dcp.load(optimizer_shards, checkpoint_id=path)
         set_optimizer_state_dict(module, optimizer, optimizer_shards[key])
     return torch.load(path / META_FILE, map_location="cpu", weights_only=True)
 
 
-def _check_same_weights(path: Path, names: set[str], saved: Mapping[str, Any]) -> None:
-    """Refuse, as ``load_state_dict(strict=True)`` does, a folder whose weights are not the module's (named)."""
+def _weight_differences(names: set[str], saved: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """The module's weight names a folder lacks and the folder's weights the module lacks, sorted."""
     prefix = "state_dict."
     saved_names = {key.removeprefix(prefix) for key in saved if key.startswith(prefix)}
-    missing, unexpected = sorted(names - saved_names), sorted(saved_names - names)
-    if missing or unexpected:
-        raise RuntimeError(
-            f"checkpoint folder {path} does not hold this module's weights: missing {missing[:5]}, unexpected "
-            f"{unexpected[:5]} (set the module's strict_loading = False to load the ones it holds)"
-        )
+    return sorted(names - saved_names), sorted(saved_names - names)
 
 
 def load_distributed_weights(module: nn.Module, path: str | Path) -> None:

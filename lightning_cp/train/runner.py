@@ -96,15 +96,16 @@ def has_validation(cfg: DictConfig) -> bool:
 
 def validation_schedule(trainer_args: dict[str, Any]) -> dict[str, Any]:
     """Lightning's arguments for validating every ``val_check_interval`` optimizer steps (Lightning counts batches,
-    ``accumulate_grad_batches`` of them per step, and restarts the count each epoch); a fraction is of the run's
-    ``max_steps`` when it has them, else of each epoch, as in Lightning."""
-    interval, max_steps = trainer_args["val_check_interval"], trainer_args["max_steps"]
-    if isinstance(interval, float) and max_steps > 0:
-        interval = max(1, round(interval * max_steps))
+    ``accumulate_grad_batches`` of them per step). With ``max_steps`` alone (one epoch) they count over the run, a
+    fraction being of ``max_steps``; with ``max_epochs``, within each epoch (each starts a fresh accumulation, so
+    the count stays on step ends), a fraction being of the epoch, as in Lightning."""
+    interval, max_steps, accumulate = (trainer_args[key] for key in ("val_check_interval", "max_steps",
+                                                                     "accumulate_grad_batches"))  # fmt: skip
+    if not (max_steps > 0 and trainer_args.get("max_epochs") in (None, -1)):
+        return {} if isinstance(interval, float) else {"val_check_interval": interval * accumulate}
     if isinstance(interval, float):
-        return {}
-    steps = min(interval, max_steps) if max_steps > 0 else interval
-    return {"val_check_interval": steps * trainer_args["accumulate_grad_batches"], "check_val_every_n_epoch": None}
+        interval = max(1, round(interval * max_steps))
+    return {"val_check_interval": min(interval, max_steps) * accumulate, "check_val_every_n_epoch": None}
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path, *, log: bool = True) -> pl.Trainer:

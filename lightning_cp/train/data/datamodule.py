@@ -265,7 +265,7 @@ class PackedTextDataModule(pl.LightningDataModule):
         self.train_samples: Dataset | None = None
         self.val_samples: Dataset | None = None
         self._plan: dict[str, Any] | None = None
-        self._saved_position: tuple[int, int] | None = None
+        self._saved_position: tuple[int, int, int | None] | None = None
         self._resumed_at = (0, 0, 0)
 
     def _cache_plan(self) -> dict[str, Any]:
@@ -439,12 +439,19 @@ class PackedTextDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         """Serve one seeded pass per epoch (or, with ``max_steps`` and no ``max_epochs``, one epoch of enough passes
-        for ``max_steps``), starting where a resumed run stopped."""
+        for ``max_steps``), a resumed run continuing with the next sample its checkpoint had not trained on."""
         num_replicas, rank = self._replicas()
         trainer = self.trainer
+        epoch = samples = batches = 0
+        if trainer is not None:
+            epoch = trainer.current_epoch
+            if trainer.fit_loop.restarting:  # resuming from a checkpoint (not a reload of the loader)
+                batches = self._batches_done(trainer)
+                samples = self._resumed_samples(epoch, batches, num_replicas)
         passes = 1
-        if trainer is not None and trainer.max_steps > 0 and trainer.max_epochs in (None, -1):
-            needed = trainer.max_steps * trainer.accumulate_grad_batches * self.samples_per_batch * num_replicas
+        if trainer is not None and self._one_epoch_of_steps(trainer):
+            steps_left = trainer.max_steps - trainer.global_step
+            needed = samples + steps_left * trainer.accumulate_grad_batches * self.samples_per_batch * num_replicas
             passes = max(1, math.ceil(needed / len(self.train_samples)))
         sampler = ResumableSampler(
             len(self.train_samples),
@@ -455,13 +462,32 @@ class PackedTextDataModule(pl.LightningDataModule):
             num_replicas=num_replicas,
             rank=rank,
         )
-        if trainer is not None:
-            epoch, batches = trainer.current_epoch, self._batches_done(trainer)
-            saved_epoch, samples = self._saved_position or (epoch, batches * num_replicas * self.samples_per_batch)
-            samples = samples if saved_epoch == epoch else 0
-            sampler.resume(epoch, samples, batches)
-            self._resumed_at = (epoch, samples, batches)
+        sampler.set_epoch(epoch)
+        sampler.resume(epoch, samples, batches)
+        self._resumed_at, self._saved_position = (epoch, samples, batches), None
         return self._loader(self.train_samples, sampler)
+
+    @staticmethod
+    def _one_epoch_of_steps(trainer: pl.Trainer) -> bool:
+        """Whether the run is ``max_steps`` alone, served as one epoch of as many passes as the steps need."""
+        return trainer.max_steps > 0 and trainer.max_epochs in (None, -1)
+
+    def _resumed_samples(self, epoch: int, batches: int, num_replicas: int) -> int:
+        """The samples of ``epoch``'s stream the checkpoint had trained on (over all its replicas). A checkpoint
+        without the datamodule's state is taken to be of this data-parallel size. With epochs, an epoch resumed
+        part-way cannot change its split (Lightning keeps one length for every epoch of a loader): refused."""
+        if self._saved_position is None:
+            return batches * num_replicas * self.samples_per_batch
+        saved_epoch, samples, replicas = self._saved_position
+        if saved_epoch != epoch:
+            return 0
+        if replicas not in (None, num_replicas) and samples and not self._one_epoch_of_steps(self.trainer):
+            raise ValueError(
+                f"the checkpoint stopped part-way through epoch {epoch} on {replicas} data-parallel replicas; with "
+                f"max_epochs that epoch cannot go on over {num_replicas}: resume on {replicas}, from a checkpoint at "
+                "an epoch's end, or train with max_steps alone"
+            )
+        return samples
 
     @staticmethod
     def _batches_done(trainer: pl.Trainer) -> int:
@@ -469,20 +495,21 @@ class PackedTextDataModule(pl.LightningDataModule):
         return trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
     def state_dict(self) -> dict[str, int]:
-        """Where training stands: the epoch and how many samples of its stream, over all replicas, are done. Saved
-        in every checkpoint, so a resumed run continues with the next unseen sample at any data-parallel size."""
+        """Where training stands: the epoch, how many samples of its stream (over all replicas) are done, and over
+        how many replicas. Saved in every checkpoint, so a resumed run continues with the next unseen sample."""
         if self.trainer is None:
             return {}
         epoch, samples, batches = self._resumed_at
         if self.trainer.current_epoch != epoch:
             epoch, samples, batches = self.trainer.current_epoch, 0, 0
-        per_batch = self._replicas()[0] * self.samples_per_batch
-        return {"epoch": epoch, "samples": samples + (self._batches_done(self.trainer) - batches) * per_batch}
+        num_replicas = self._replicas()[0]
+        done = samples + (self._batches_done(self.trainer) - batches) * num_replicas * self.samples_per_batch
+        return {"epoch": epoch, "samples": done, "replicas": num_replicas}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         """Take the position a checkpoint saved (read when the training loader is built); Lightning's warning that a
         mid-epoch resume of a plain loader is unreliable does not apply to this one."""
-        self._saved_position = (state_dict["epoch"], state_dict["samples"])
+        self._saved_position = (state_dict["epoch"], state_dict["samples"], state_dict.get("replicas"))
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 
     def val_dataloader(self) -> DataLoader:

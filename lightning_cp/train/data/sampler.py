@@ -96,10 +96,10 @@ class ResumableSampler(Sampler[int]):
         return iter(self._mine().tolist())
 
     def __len__(self) -> int:
-        """The epoch's samples for this replica; for a resumed epoch, at least those done before and those left
-        (Lightning ends an epoch when it has counted this many batches, or when the iteration ends)."""
+        """The epoch's samples for this replica; for a resumed epoch, Lightning's count of those done before (its
+        batches) and those left (it ends an epoch when it has counted this many batches)."""
         if self.complete:
             return self._mine().numel()
         samples, batches = self._resumed.get(self.epoch, (0, 0))
         left = max(0, self.passes * self.num_samples - samples) // (self.num_replicas * self.batch_size)
-        return max(self.batches_per_epoch, batches + left) * self.batch_size
+        return (batches + left) * self.batch_size
