@@ -96,15 +96,16 @@ def test_a_resume_under_accumulation_across_epochs_continues_the_stream(
     corpus: Path, tmp_path: Path, num_workers: int
 ) -> None:
     """Two epochs whose batch count accumulation does not divide (the last step of an epoch takes fewer batches):
-    resumed in the second epoch, the run sees exactly the batches the uninterrupted run saw after that step (also
-    when worker processes load the batches)."""
+    resumed in the second epoch, or from the first epoch's last step, the run sees exactly the batches the
+    uninterrupted run saw after that step (also when worker processes, which draw indices early, load them)."""
     args = {"devices": 1, "max_epochs": 2, "max_steps": -1, "accumulate_grad_batches": 3, "num_workers": num_workers}
     full = fit_recording(corpus, tmp_path / "full", **args)
     per_epoch = len(full) // 2
     assert len(full) == 2 * per_epoch and per_epoch % 3, "an epoch the accumulation does not divide"
-    step = per_epoch // 3 + 1 + 2  # two steps into the second epoch
-    resumed = fit_recording(corpus, tmp_path / "resumed", str(tmp_path / "full" / f"{step}.ckpt"), **args)
-    assert resumed == full[per_epoch + 2 * 3 :]
+    last = per_epoch // 3 + 1  # the first epoch's last step
+    for step, seen in ((last + 2, per_epoch + 2 * 3), (last, per_epoch)):  # two steps into the second epoch; its start
+        resumed = fit_recording(corpus, tmp_path / f"resumed{step}", str(tmp_path / "full" / f"{step}.ckpt"), **args)
+        assert resumed == full[seen:], f"resumed at step {step}"
 
 
 def test_loaders_rebuilt_every_epoch_serve_whole_epochs(corpus: Path, tmp_path: Path) -> None:
@@ -140,13 +141,13 @@ def _fit_epochs_on_ranks(corpus: Path, folder: Path, resume: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_with_epochs_an_epoch_resumed_part_way_keeps_its_data_parallel_size(corpus: Path, tmp_path: Path) -> None:
-    """Lightning keeps one length for every epoch of a loader, so with ``max_epochs`` a part-done epoch cannot be
-    split anew: the same clear error on every rank."""
+def test_with_epochs_a_run_resumes_on_its_data_parallel_size(corpus: Path, tmp_path: Path) -> None:
+    """Lightning keeps one length for every epoch of a loader, so with ``max_epochs`` the epochs cannot be split
+    anew: the same clear error on every rank."""
     fit_recording(corpus, tmp_path / "dp1", devices=1, max_epochs=1, max_steps=3)
     assert_same_error_on_every_rank(
         _fit_epochs_on_ranks, 2, corpus, tmp_path / "dp2", str(tmp_path / "dp1" / "3.ckpt"),
-        match="part-way through epoch 0 on 1 data-parallel replicas", init_process_group=False,
+        match="saved on 1 data-parallel replicas; with max_epochs a run resumes on as many", init_process_group=False,
     )  # fmt: skip
 
 
@@ -206,3 +207,67 @@ def test_the_throughput_is_the_tokens_of_each_optimizer_step_per_second(corpus: 
               if row.get("tokens_per_second")]  # fmt: skip
     lengths = [len(sample) for sample in module.seen]
     assert logged == [float(lengths[2 * step] + lengths[2 * step + 1]) for step in range(4)]
+
+
+class EstimatingRecorder(SampleRecorder):
+    """Reads ``trainer.estimated_stepping_batches`` in ``configure_optimizers``, as one-cycle schedules do: Lightning
+    then builds the training loader before it restores a checkpoint."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        assert self.trainer.estimated_stepping_batches > 0
+        return super().configure_optimizers()
+
+
+def _fit_estimating(corpus: Path, folder: Path, resume: str | None, strategy: Any) -> list[tuple[int, ...]]:
+    module = EstimatingRecorder()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, max_steps=-1, logger=False, strategy=strategy,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         use_distributed_sampler=False,
+                         callbacks=[ModelCheckpoint(folder, "{step}", auto_insert_metric_name=False,
+                                                    every_n_train_steps=1, save_top_k=-1)])  # fmt: skip
+    data = PackedTextDataModule([str(corpus)], val_fraction=0.2, tokens_per_sample=128, seed=7)
+    trainer.fit(module, datamodule=data, ckpt_path=resume)
+    return module.seen
+
+
+def _fit_estimating_under_cp(corpus: Path, folder: Path, resume: str | None) -> list[tuple[int, ...]]:
+    return _fit_estimating(corpus, folder, resume, CPZigzagStrategy(context_parallel_size=1))
+
+
+@pytest.mark.timeout(120)
+def test_a_loader_built_before_the_restore_is_rebuilt_or_refused(corpus: Path, tmp_path: Path) -> None:
+    """``cp_zigzag`` restores after its setup, so a loader built there is dropped and built anew: the resumed run
+    continues exactly; a strategy restoring before its setup gets the loader's request too early: a clear error."""
+    (full,) = run_on_ranks(_fit_estimating_under_cp, 1, corpus, tmp_path / "full", None, init_process_group=False)
+    resume = str(tmp_path / "full" / "10.ckpt")
+    (resumed,) = run_on_ranks(_fit_estimating_under_cp, 1, corpus, tmp_path / "cp", resume, init_process_group=False)
+    assert resumed == full[10:]
+    with pytest.raises(RuntimeError, match="asked for before the checkpoint's loop state was restored"):
+        _fit_estimating(corpus, tmp_path / "plain", resume, "auto")
+
+
+class _LoggedRates(pl.Callback):
+    """Keeps each step's logged ``tokens_per_second`` (placed after the throughput callback)."""
+
+    def __init__(self) -> None:
+        self.rates: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        self.rates.append(float(trainer.callback_metrics["tokens_per_second"]))
+
+
+def _rates_and_samples_on_ranks(corpus: Path, folder: Path) -> tuple[list[float], list[tuple[int, ...]]]:
+    ticks = iter(range(1000))
+    rates = _LoggedRates()
+    callbacks = [TokenThroughput(clock=lambda: float(next(ticks))), rates]
+    seen = fit_recording(corpus, folder, devices=2, max_steps=3, callbacks=callbacks,
+                         strategy=CPZigzagStrategy(context_parallel_size=1))  # fmt: skip
+    return rates.rates, seen
+
+
+@pytest.mark.timeout(120)
+def test_the_throughput_sums_the_tokens_of_every_replica(corpus: Path, tmp_path: Path) -> None:
+    """dp=2: each step's rate is both replicas' tokens (their packed rows differ in length), on every rank."""
+    ranks = run_on_ranks(_rates_and_samples_on_ranks, 2, corpus, tmp_path, init_process_group=False)
+    expected = [float(len(a) + len(b)) for a, b in zip(ranks[0][1], ranks[1][1], strict=True)]
+    assert ranks[0][0] == ranks[1][0] == expected and len(set(expected)) > 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -14,11 +15,16 @@ from lightning_cp.core.runtime import ContextParallelRuntime
 from lightning_cp.core.step import ContextParallelSetting
 
 
-def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """Return the learning-rate multiplier: linear warm-up, then cosine decay to ``min_lr_ratio``."""
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int | Callable[[], int], min_lr_ratio: float) -> float:
+    """Return the learning-rate multiplier: linear warm-up, then cosine decay to ``min_lr_ratio``. ``total_steps``
+    may be a function, called only once the decay has begun (at the warm-up's end the multiplier is 1 whatever the
+    total)."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if step == warmup_steps:
+        return 1.0
+    total = total_steps() if callable(total_steps) else total_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total - warmup_steps))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
@@ -76,6 +82,15 @@ class CausalLMModule(pl.LightningModule):
         """Log after how many optimizer steps this validation ran (the x of the validation curve)."""
         self.log("trained_steps", float(self.trainer.global_step), sync_dist=True)
 
+    def _total_steps(self) -> int:
+        """The run's optimizer steps: ``max_steps``, or with ``max_epochs`` Lightning's estimate (the fewer), asked
+        for once training runs: estimated earlier, it would build the training loader before a checkpoint is
+        restored."""
+        trainer = self.trainer
+        if trainer.max_steps > 0 and trainer.max_epochs in (None, -1):  # Lightning estimates only with epochs
+            return trainer.max_steps
+        return int(trainer.estimated_stepping_batches)
+
     @override
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW (no decay on norms and biases) with linear warm-up and cosine decay over the run's steps (the fewer of
@@ -88,10 +103,7 @@ class CausalLMModule(pl.LightningModule):
             lr=hp.lr,
             betas=tuple(hp.betas),
         )
-        trainer = self.trainer
-        steps_alone = trainer.max_steps > 0 and trainer.max_epochs in (None, -1)  # Lightning estimates only with epochs
-        total = trainer.max_steps if steps_alone else int(trainer.estimated_stepping_batches)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, total, hp.min_lr_ratio)
+            optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, self._total_steps, hp.min_lr_ratio)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

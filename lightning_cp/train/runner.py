@@ -141,7 +141,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, *, log: bool = True) -> pl.Tra
 
 class TokenThroughput(pl.Callback):
     """Log ``tokens_per_second``: the tokens of every replica's batches (padding not counted) trained per second of
-    wall time, from the end of one optimizer step to the end of the next (data loading included, validation not).
+    wall time, from the end of one optimizer step to the end of the next (data loading included, validation not);
+    one tiny all-reduce per step sums the replicas' counts.
 
     It reads each batch before the layout callback shards it in place, so it comes first in the callback list.
     """
@@ -159,17 +160,20 @@ class TokenThroughput(pl.Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:
-        """Count the replica batch's tokens, times the replicas."""
-        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
-        self._tokens += int(batch["input_ids"].numel()) * (kwargs["num_replicas"] if kwargs else 1)
+        """Count the replica batch's tokens."""
+        self._tokens += int(batch["input_ids"].numel())
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
-        """At the end of an optimizer step, log the tokens since the previous one per second."""
+        """At the end of an optimizer step, log the tokens of every replica since the previous one per second."""
         if trainer.fit_loop._should_accumulate():
             return
+        counted = torch.tensor(float(self._tokens), dtype=torch.float64, device=pl_module.device)
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
+        replicas = kwargs["num_replicas"] if kwargs else 1  # each replica's count comes from all of its ranks
+        tokens = float(trainer.strategy.reduce(counted, reduce_op="sum")) * replicas / trainer.world_size
         now = self.clock()
-        rate = self._tokens / max(now - self._since, 1e-9)
+        rate = tokens / max(now - self._since, 1e-9)
         pl_module.log("tokens_per_second", rate, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
         self._tokens, self._since = 0, now
 

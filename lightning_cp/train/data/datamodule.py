@@ -439,21 +439,48 @@ class PackedTextDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         """Serve one seeded pass per epoch (or, with ``max_steps`` and no ``max_epochs``, one epoch of enough passes
-        for ``max_steps``), a resumed run continuing with the next sample its checkpoint had not trained on."""
+        for ``max_steps``), a resumed run continuing with the next sample its checkpoint had not trained on.
+
+        The loader's length is Lightning's count of the epoch's batches done plus the batches it serves; a checkpoint
+        taken at an epoch's end resumes with the next epoch (so worker processes, which draw their indices as the
+        loader is built, draw that epoch's)."""
         num_replicas, rank = self._replicas()
         trainer = self.trainer
         epoch = samples = batches = 0
         if trainer is not None:
             epoch = trainer.current_epoch
-            if trainer.fit_loop.restarting:  # resuming from a checkpoint (not a reload of the loader)
+            if self._saved_position is not None and trainer.fit_loop.epoch_progress.total.ready == 0:
+                raise RuntimeError(
+                    "the training loader was asked for before the checkpoint's loop state was restored (by "
+                    "trainer.estimated_stepping_batches in configure_optimizers?), so it cannot continue where the "
+                    "checkpoint stopped: work the schedule's length out from trainer.max_steps, or when it is first "
+                    "needed, or resume under cp_zigzag, which rebuilds the loader"
+                )
+            if trainer.fit_loop.restarting or self._saved_position is not None:  # a resume, not a reload
                 batches = self._batches_done(trainer)
                 samples = self._resumed_samples(epoch, batches, num_replicas)
-        passes = 1
-        if trainer is not None and self._one_epoch_of_steps(trainer):
-            steps_left = trainer.max_steps - trainer.global_step
-            needed = samples + steps_left * trainer.accumulate_grad_batches * self.samples_per_batch * num_replicas
-            passes = max(1, math.ceil(needed / len(self.train_samples)))
-        sampler = ResumableSampler(
+        sampler = self._sampler(self._passes(samples, num_replicas), num_replicas, rank)
+        if samples and sampler.passes * sampler.num_samples - samples < num_replicas * self.samples_per_batch:
+            epoch, samples = epoch + 1, 0  # the epoch is done; Lightning moves on and restarts its count if it can
+            batches = 0 if batches >= sampler.batches_per_epoch else batches
+        sampler.set_epoch(epoch)
+        sampler.resume(epoch, samples, batches)
+        self._resumed_at, self._saved_position = (epoch, samples, batches), None
+        return self._loader(self.train_samples, sampler)
+
+    def _passes(self, samples_done: int, num_replicas: int) -> int:
+        """Seeded passes per epoch: one, or with ``max_steps`` alone as many as the steps left need after the
+        ``samples_done`` of the epoch's stream."""
+        trainer = self.trainer
+        if trainer is None or not self._one_epoch_of_steps(trainer):
+            return 1
+        steps_left = trainer.max_steps - trainer.global_step
+        needed = samples_done + steps_left * trainer.accumulate_grad_batches * self.samples_per_batch * num_replicas
+        return max(1, math.ceil(needed / len(self.train_samples)))
+
+    def _sampler(self, passes: int, num_replicas: int, rank: int) -> ResumableSampler:
+        """The training sampler of this data-parallel rank."""
+        return ResumableSampler(
             len(self.train_samples),
             self.samples_per_batch,
             seed=self.seed,
@@ -462,10 +489,6 @@ class PackedTextDataModule(pl.LightningDataModule):
             num_replicas=num_replicas,
             rank=rank,
         )
-        sampler.set_epoch(epoch)
-        sampler.resume(epoch, samples, batches)
-        self._resumed_at, self._saved_position = (epoch, samples, batches), None
-        return self._loader(self.train_samples, sampler)
 
     @staticmethod
     def _one_epoch_of_steps(trainer: pl.Trainer) -> bool:
@@ -474,20 +497,18 @@ class PackedTextDataModule(pl.LightningDataModule):
 
     def _resumed_samples(self, epoch: int, batches: int, num_replicas: int) -> int:
         """The samples of ``epoch``'s stream the checkpoint had trained on (over all its replicas). A checkpoint
-        without the datamodule's state is taken to be of this data-parallel size. With epochs, an epoch resumed
-        part-way cannot change its split (Lightning keeps one length for every epoch of a loader): refused."""
+        without the datamodule's state is taken to be of this data-parallel size. With epochs, another data-parallel
+        size is refused (Lightning keeps one length for every epoch of a loader)."""
         if self._saved_position is None:
             return batches * num_replicas * self.samples_per_batch
         saved_epoch, samples, replicas = self._saved_position
-        if saved_epoch != epoch:
-            return 0
-        if replicas not in (None, num_replicas) and samples and not self._one_epoch_of_steps(self.trainer):
+        if replicas not in (None, num_replicas) and not self._one_epoch_of_steps(self.trainer):
             raise ValueError(
-                f"the checkpoint stopped part-way through epoch {epoch} on {replicas} data-parallel replicas; with "
-                f"max_epochs that epoch cannot go on over {num_replicas}: resume on {replicas}, from a checkpoint at "
-                "an epoch's end, or train with max_steps alone"
+                f"the checkpoint was saved on {replicas} data-parallel replicas; with max_epochs a run resumes on as "
+                f"many (Lightning keeps one loader length for every epoch), not {num_replicas}: resume on {replicas}, "
+                "or train with max_steps alone"
             )
-        return samples
+        return samples if saved_epoch == epoch else 0
 
     @staticmethod
     def _batches_done(trainer: pl.Trainer) -> int:
@@ -507,10 +528,14 @@ class PackedTextDataModule(pl.LightningDataModule):
         return {"epoch": epoch, "samples": done, "replicas": num_replicas}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        """Take the position a checkpoint saved (read when the training loader is built); Lightning's warning that a
-        mid-epoch resume of a plain loader is unreliable does not apply to this one."""
+        """Take the position a checkpoint saved (read when the training loader is built; Lightning builds one only
+        once, so a loader built before this restore is dropped); Lightning's warning that a mid-epoch resume of a
+        plain loader is unreliable does not apply to this one."""
         self._saved_position = (state_dict["epoch"], state_dict["samples"], state_dict.get("replicas"))
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+        fit_loop = self.trainer.fit_loop if self.trainer is not None else None
+        if fit_loop is not None and fit_loop._combined_loader is not None:
+            fit_loop._combined_loader = None  # built before this restore (strategies that restore after setup): anew
 
     def val_dataloader(self) -> DataLoader:
         """Serve every held-out sample once, in a fixed order, the same number of batches on every replica."""
