@@ -271,3 +271,16 @@ def test_the_throughput_sums_the_tokens_of_every_replica(corpus: Path, tmp_path:
     ranks = run_on_ranks(_rates_and_samples_on_ranks, 2, corpus, tmp_path, init_process_group=False)
     expected = [float(len(a) + len(b)) for a, b in zip(ranks[0][1], ranks[1][1], strict=True)]
     assert ranks[0][0] == ranks[1][0] == expected and len(set(expected)) > 1
+
+
+def test_a_checkpoint_validated_first_leaves_a_fresh_fit_of_the_datamodule_fresh(corpus: Path, tmp_path: Path) -> None:
+    """``validate(ckpt_path=...)`` restores the datamodule's state too; a fit without a checkpoint then starts the
+    data at its beginning."""
+    full = fit_recording(corpus, tmp_path / "full", devices=1, max_steps=6)
+    data = PackedTextDataModule([str(corpus)], val_fraction=0.2, tokens_per_sample=128, seed=7)
+    options = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_progress_bar": False,
+               "enable_model_summary": False, "enable_checkpointing": False}  # fmt: skip
+    pl.Trainer(**options).validate(SampleRecorder(), datamodule=data, ckpt_path=str(tmp_path / "full" / "4.ckpt"))
+    fresh = SampleRecorder()
+    pl.Trainer(max_steps=6, limit_val_batches=0, use_distributed_sampler=False, **options).fit(fresh, datamodule=data)
+    assert fresh.seen == full

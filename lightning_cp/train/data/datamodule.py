@@ -28,6 +28,7 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
@@ -449,7 +450,8 @@ class PackedTextDataModule(pl.LightningDataModule):
         epoch = samples = batches = 0
         if trainer is not None:
             epoch = trainer.current_epoch
-            if self._saved_position is not None and trainer.fit_loop.epoch_progress.total.ready == 0:
+            saved = self._saved_position
+            if saved is not None and saved[1] and trainer.fit_loop.epoch_progress.total.ready == 0:
                 raise RuntimeError(
                     "the training loader was asked for before the checkpoint's loop state was restored (by "
                     "trainer.estimated_stepping_batches in configure_optimizers?), so it cannot continue where the "
@@ -531,11 +533,12 @@ class PackedTextDataModule(pl.LightningDataModule):
         """Take the position a checkpoint saved (read when the training loader is built; Lightning builds one only
         once, so a loader built before this restore is dropped); Lightning's warning that a mid-epoch resume of a
         plain loader is unreliable does not apply to this one."""
+        if self.trainer is None or self.trainer.state.fn != TrainerFn.FITTING:
+            return  # validate, test or predict from a checkpoint: no training to continue
         self._saved_position = (state_dict["epoch"], state_dict["samples"], state_dict.get("replicas"))
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
-        fit_loop = self.trainer.fit_loop if self.trainer is not None else None
-        if fit_loop is not None and fit_loop._combined_loader is not None:
-            fit_loop._combined_loader = None  # built before this restore (strategies that restore after setup): anew
+        if self.trainer.fit_loop._combined_loader is not None:
+            self.trainer.fit_loop._combined_loader = None  # built before this restore (restored after setup): anew
 
     def val_dataloader(self) -> DataLoader:
         """Serve every held-out sample once, in a fixed order, the same number of batches on every replica."""
