@@ -284,3 +284,14 @@ def test_a_checkpoint_validated_first_leaves_a_fresh_fit_of_the_datamodule_fresh
     fresh = SampleRecorder()
     pl.Trainer(max_steps=6, limit_val_batches=0, use_distributed_sampler=False, **options).fit(fresh, datamodule=data)
     assert fresh.seen == full
+
+
+def test_a_run_extended_past_the_end_of_its_data_resumes_exactly(corpus: Path, tmp_path: Path) -> None:
+    """``max_steps`` ending exactly where the data does, then resumed with more steps (a new epoch, which Lightning
+    counts on from the old one's batches): a second resume inside that epoch continues it exactly."""
+    per_epoch = len(fit_recording(corpus, tmp_path / "ended", devices=1, max_steps=-1, max_epochs=1))
+    fit_recording(corpus, tmp_path / "a", devices=1, max_steps=per_epoch)
+    extended = fit_recording(corpus, tmp_path / "b", str(tmp_path / "a" / f"{per_epoch}.ckpt"), devices=1,
+                             max_steps=per_epoch + 9)  # fmt: skip
+    resume = str(tmp_path / "b" / f"{per_epoch + 4}.ckpt")
+    assert fit_recording(corpus, tmp_path / "c", resume, devices=1, max_steps=per_epoch + 9) == extended[4:]

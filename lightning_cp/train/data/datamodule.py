@@ -451,7 +451,7 @@ class PackedTextDataModule(pl.LightningDataModule):
         if trainer is not None:
             epoch = trainer.current_epoch
             saved = self._saved_position
-            if saved is not None and saved[1] and trainer.fit_loop.epoch_progress.total.ready == 0:
+            if saved is not None and saved[1] and not trainer.fit_loop._loaded_from_state_dict:
                 raise RuntimeError(
                     "the training loader was asked for before the checkpoint's loop state was restored (by "
                     "trainer.estimated_stepping_batches in configure_optimizers?), so it cannot continue where the "
@@ -462,8 +462,10 @@ class PackedTextDataModule(pl.LightningDataModule):
                 batches = self._batches_done(trainer)
                 samples = self._resumed_samples(epoch, batches, num_replicas)
         sampler = self._sampler(self._passes(samples, num_replicas), num_replicas, rank)
-        if samples and sampler.passes * sampler.num_samples - samples < num_replicas * self.samples_per_batch:
+        exhausted = samples and sampler.passes * sampler.num_samples - samples < num_replicas * self.samples_per_batch
+        if exhausted or (trainer is not None and trainer.fit_loop.restarting and self._ended_an_epoch(trainer)):
             epoch, samples = epoch + 1, 0  # the epoch is done; Lightning moves on and restarts its count if it can
+            sampler = self._sampler(self._passes(0, num_replicas), num_replicas, rank)
             batches = 0 if batches >= sampler.batches_per_epoch else batches
         sampler.set_epoch(epoch)
         sampler.resume(epoch, samples, batches)
@@ -511,6 +513,11 @@ class PackedTextDataModule(pl.LightningDataModule):
                 "or train with max_steps alone"
             )
         return samples if saved_epoch == epoch else 0
+
+    @staticmethod
+    def _ended_an_epoch(trainer: pl.Trainer) -> bool:
+        """Whether the checkpoint was taken after its epoch's last batch (Lightning resumes with the next epoch)."""
+        return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
 
     @staticmethod
     def _batches_done(trainer: pl.Trainer) -> int:
