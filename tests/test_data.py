@@ -180,7 +180,7 @@ def test_the_validation_loader_serves_every_sample_and_fillers_score_nothing() -
 def _fake_trainer(batches_done: int) -> SimpleNamespace:
     """A trainer of ``max_steps=30`` resumed after ``batches_done`` batches (none: a fresh run)."""
     strategy = SimpleNamespace(distributed_sampler_kwargs=None)
-    progress = SimpleNamespace(current=SimpleNamespace(processed=batches_done))
+    progress = SimpleNamespace(current=SimpleNamespace(processed=batches_done), is_last_batch=False)
     return SimpleNamespace(
         max_steps=30,
         max_epochs=None,
@@ -188,7 +188,11 @@ def _fake_trainer(batches_done: int) -> SimpleNamespace:
         global_step=batches_done,
         current_epoch=0,
         strategy=strategy,
-        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress), restarting=batches_done > 0),
+        fit_loop=SimpleNamespace(
+            epoch_loop=SimpleNamespace(batch_progress=progress),
+            restarting=batches_done > 0,
+            _loaded_from_state_dict=batches_done > 0,
+        ),
     )
 
 
