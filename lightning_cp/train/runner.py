@@ -99,8 +99,8 @@ def validation_schedule(trainer_args: dict[str, Any]) -> dict[str, Any]:
     ``accumulate_grad_batches`` of them per step). With ``max_steps`` alone (one epoch) they count over the run, a
     fraction being of ``max_steps``; with ``max_epochs``, within each epoch (each starts a fresh accumulation, so
     the count stays on step ends), a fraction being of the epoch, as in Lightning."""
-    interval, max_steps, accumulate = (trainer_args[key] for key in ("val_check_interval", "max_steps",
-                                                                     "accumulate_grad_batches"))  # fmt: skip
+    interval, max_steps = trainer_args["val_check_interval"], trainer_args["max_steps"]
+    accumulate = trainer_args["accumulate_grad_batches"]
     if not (max_steps > 0 and trainer_args.get("max_epochs") in (None, -1)):
         return {} if isinstance(interval, float) else {"val_check_interval": interval * accumulate}
     if isinstance(interval, float):

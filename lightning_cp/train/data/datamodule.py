@@ -458,7 +458,7 @@ class PackedTextDataModule(pl.LightningDataModule):
                     "checkpoint stopped: work the schedule's length out from trainer.max_steps, or when it is first "
                     "needed, or resume under cp_zigzag, which rebuilds the loader"
                 )
-            if trainer.fit_loop.restarting or self._saved_position is not None:  # a resume, not a reload
+            if trainer.fit_loop.restarting or saved is not None:  # a resume, not a reload of the loader
                 batches = self._batches_done(trainer)
                 samples = self._resumed_samples(epoch, batches, num_replicas)
         sampler = self._sampler(self._passes(samples, num_replicas), num_replicas, rank)
