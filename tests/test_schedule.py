@@ -70,10 +70,15 @@ def fit_recording(corpus: Path, folder: Path, resume: str | None = None, **args:
 
 
 def fit_recorder(
-    corpus: Path, folder: Path, resume: str | None = None, num_workers: int = 0, **trainer_args: Any
+    corpus: Path,
+    folder: Path,
+    resume: str | None = None,
+    num_workers: int = 0,
+    module: SampleRecorder | None = None,
+    **trainer_args: Any,
 ) -> SampleRecorder:
     """``fit_recording``, returning the recorder (validation off unless ``trainer_args`` ask for it)."""
-    module = SampleRecorder()
+    module = module or SampleRecorder()
     every_step = ModelCheckpoint(folder, "{step}", auto_insert_metric_name=False, every_n_train_steps=1, save_top_k=-1)
     callbacks = [*trainer_args.pop("callbacks", []), every_step]
     trainer = pl.Trainer(
@@ -219,15 +224,8 @@ class EstimatingRecorder(SampleRecorder):
 
 
 def _fit_estimating(corpus: Path, folder: Path, resume: str | None, strategy: Any) -> list[tuple[int, ...]]:
-    module = EstimatingRecorder()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, max_steps=-1, logger=False, strategy=strategy,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         use_distributed_sampler=False,
-                         callbacks=[ModelCheckpoint(folder, "{step}", auto_insert_metric_name=False,
-                                                    every_n_train_steps=1, save_top_k=-1)])  # fmt: skip
-    data = PackedTextDataModule([str(corpus)], val_fraction=0.2, tokens_per_sample=128, seed=7)
-    trainer.fit(module, datamodule=data, ckpt_path=resume)
-    return module.seen
+    args = {"devices": 1, "max_epochs": 2, "max_steps": -1, "strategy": strategy}
+    return fit_recorder(corpus, folder, resume, module=EstimatingRecorder(), **args).seen
 
 
 def _fit_estimating_under_cp(corpus: Path, folder: Path, resume: str | None) -> list[tuple[int, ...]]:
