@@ -232,7 +232,8 @@ class PackedTextDataModule(pl.LightningDataModule):
 
     Every context-parallel rank of a data-parallel replica gets the same batch; batches are split over the
     data-parallel ranks only (``trainer.strategy.distributed_sampler_kwargs``), so run the Trainer with
-    ``use_distributed_sampler=False``.
+    ``use_distributed_sampler=False``. Its state (in every checkpoint) is where the epoch's sample stream stands, so a
+    resumed fit continues with the next unseen sample.
     """
 
     def __init__(
