@@ -1,5 +1,6 @@
 """``trainer.predict`` under ``cp_zigzag``: ``cp_gather_sequence`` gives every rank the whole batch's per-token outputs,
-equal to one process's (float64, 1e-10), for packed and dense batches and either boundary layout."""
+equal to one process's (float64, 1e-10), for packed and dense batches and either boundary layout; the causal LMs'
+own ``predict_step`` returns the whole batch's logits the same way."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy, cp_gather_sequence
+from lightning_cp.train.models.module import LlamaLM
 from tests.distributed_harness import run_on_ranks
 from tests.model_helpers import HYBRID, POLICY, TRAINER_OPTIONS, TinyTransformer, dense_batches, packed_batches
 
@@ -31,15 +33,18 @@ def batches() -> list[dict[str, torch.Tensor]]:
     return packed_batches(2) + dense_batches(2, seq_len=21)
 
 
-def predict(world_size: int, strategy: dict[str, Any]) -> list[np.ndarray]:
+def predict(world_size: int, strategy: dict[str, Any], built_in: bool = False) -> list[np.ndarray]:
     """Predict the batches with a fresh model under ``cp_zigzag(**strategy)`` (one process: plain Lightning); as
-    arrays, which reach the test process by value."""
+    arrays, which reach the test process by value. ``built_in``: the main job's ``LlamaLM`` and its own
+    ``predict_step`` (its layers are the default policy's)."""
     os.environ["WORLD_SIZE"] = str(world_size)
-    model = Predictor(HYBRID)
+    torch.manual_seed(0)
+    tiny = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 64}
+    model = LlamaLM(**tiny).double() if built_in else Predictor(HYBRID)
     trainer = pl.Trainer(
         devices=world_size,
         strategy=CPZigzagStrategy(**strategy) if strategy else "auto",
-        callbacks=[ContextParallelLayoutCallback(**POLICY)],
+        callbacks=[] if built_in else [ContextParallelLayoutCallback(**POLICY)],
         **TRAINER_OPTIONS,
     )
     return [prediction.numpy() for prediction in trainer.predict(model, DataLoader(batches(), batch_size=None))]
@@ -54,9 +59,12 @@ def predict(world_size: int, strategy: dict[str, Any]) -> list[np.ndarray]:
     ],
     ids=["cp2", "cp2-zigzag-boundary"],
 )
-def test_predictions_are_the_whole_sequence_on_every_rank(world_size: int, strategy: dict[str, Any]) -> None:
-    reference = predict(1, {})
-    ranks = run_on_ranks(predict, world_size, world_size, strategy, init_process_group=False)
+@pytest.mark.parametrize("built_in", [False, True], ids=["gathered", "causal-lm-predict-step"])
+def test_predictions_are_the_whole_sequence_on_every_rank(
+    world_size: int, strategy: dict[str, Any], built_in: bool
+) -> None:
+    reference = predict(1, {}, built_in)
+    ranks = run_on_ranks(predict, world_size, world_size, strategy, built_in, init_process_group=False)
     for rank, predictions in enumerate(ranks):
         assert len(predictions) == len(reference)
         for got, expected in zip(predictions, reference, strict=True):

@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from lightning_cp.core.functional import cp_gather_sequence
 from lightning_cp.core.loss import CPLoss, cp_cross_entropy
 from lightning_cp.core.runtime import ContextParallelRuntime
 from lightning_cp.core.step import ContextParallelSetting
@@ -48,21 +49,25 @@ class CausalLMModule(pl.LightningModule):
 
     def _loss(self, batch: dict[str, Any]) -> tuple[CPLoss, int]:
         """Return the CP-aware loss of a sharded batch (or of a raw batch on one device) and its target count."""
-        if "position_ids" not in batch or "loss_token_count" not in batch:
-            return self._single_device_loss(batch)
-        count = int(batch["loss_token_count"])
-        return self.token_loss(batch["input_ids"], batch["position_ids"], batch["labels"], count), count
 
-    def _single_device_loss(self, batch: dict[str, Any]) -> tuple[CPLoss, int]:
-        """Prepare a raw replica batch as the layout callback would, at cp=1, and return its loss and target count."""
+        def loss(prepared: dict[str, Any]) -> tuple[CPLoss, int]:
+            count = int(prepared["loss_token_count"])
+            return self.token_loss(prepared["input_ids"], prepared["position_ids"], prepared["labels"], count), count
+
+        return self._on_prepared(batch, loss)
+
+    def _on_prepared(self, batch: dict[str, Any], work: Callable[[dict[str, Any]], Any]) -> Any:
+        """Run ``work`` on a batch the layout callback prepared, or on a raw replica batch prepared here as the
+        callback would at cp=1 (no callback: e.g. a plain Lightning strategy)."""
+        if "position_ids" in batch and "loss_token_count" in batch:
+            return work(batch)
         runtime = self.__dict__.get("_single_device_runtime")
         if runtime is None:  # a plain attribute, not a submodule: it holds hooks, no state
             runtime = self.__dict__["_single_device_runtime"] = ContextParallelRuntime(ContextParallelSetting())
         runtime.wrap(self)
         batch = dict(batch)
         with runtime.step(batch):
-            count = int(batch["loss_token_count"])
-            return self.token_loss(batch["input_ids"], batch["position_ids"], batch["labels"], count), count
+            return work(batch)
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
@@ -76,6 +81,14 @@ class CausalLMModule(pl.LightningModule):
         """Log the validation loss, weighted by each batch's number of target tokens."""
         out, count = self._loss(batch)
         self.log("val_loss", out.mean, prog_bar=True, sync_dist=True, batch_size=count)
+
+    @override
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        """Return the logits ``[B, S, vocab]`` of the whole replica batch, on every rank sharing it (as one device
+        computes them)."""
+        return self._on_prepared(
+            batch, lambda prepared: cp_gather_sequence(self.logits(prepared["input_ids"], prepared["position_ids"]))
+        )
 
     @override
     def on_validation_epoch_end(self) -> None:
