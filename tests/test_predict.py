@@ -14,9 +14,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy, cp_gather_sequence
+from lightning_cp.hf import HFCausalLM
 from lightning_cp.train.models.module import LlamaLM
 from tests.distributed_harness import run_on_ranks
 from tests.model_helpers import HYBRID, POLICY, TRAINER_OPTIONS, TinyTransformer, dense_batches, packed_batches
+from tests.test_hf import tiny_model
 
 torch.set_num_threads(1)
 
@@ -33,14 +35,18 @@ def batches() -> list[dict[str, torch.Tensor]]:
     return packed_batches(2) + dense_batches(2, seq_len=21)
 
 
-def predict(world_size: int, strategy: dict[str, Any], built_in: bool = False) -> list[np.ndarray]:
+def predict(world_size: int, strategy: dict[str, Any], model_kind: str = "gathered") -> list[np.ndarray]:
     """Predict the batches with a fresh model under ``cp_zigzag(**strategy)`` (one process: plain Lightning); as
-    arrays, which reach the test process by value. ``built_in``: the main job's ``LlamaLM`` and its own
-    ``predict_step`` (its layers are the default policy's)."""
+    arrays, which reach the test process by value. ``model_kind``: ``"gathered"`` (``Predictor``), or a causal LM with
+    its own ``predict_step``: the main job's ``"llama"`` or ``"hf"`` (``HFCausalLM`` of a tiny Llama), whose layers
+    are the default policy's."""
     os.environ["WORLD_SIZE"] = str(world_size)
     torch.manual_seed(0)
     tiny = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 64}
-    model = LlamaLM(**tiny).double() if built_in else Predictor(HYBRID)
+    models = {"gathered": lambda: Predictor(HYBRID), "llama": lambda: LlamaLM(**tiny).double(),
+              "hf": lambda: HFCausalLM(tiny_model("llama"))}  # fmt: skip
+    model = models[model_kind]()
+    built_in = model_kind != "gathered"
     trainer = pl.Trainer(
         devices=world_size,
         strategy=CPZigzagStrategy(**strategy) if strategy else "auto",
@@ -59,12 +65,12 @@ def predict(world_size: int, strategy: dict[str, Any], built_in: bool = False) -
     ],
     ids=["cp2", "cp2-zigzag-boundary"],
 )
-@pytest.mark.parametrize("built_in", [False, True], ids=["gathered", "causal-lm-predict-step"])
+@pytest.mark.parametrize("model_kind", ["gathered", "llama", "hf"])
 def test_predictions_are_the_whole_sequence_on_every_rank(
-    world_size: int, strategy: dict[str, Any], built_in: bool
+    world_size: int, strategy: dict[str, Any], model_kind: str
 ) -> None:
-    reference = predict(1, {}, built_in)
-    ranks = run_on_ranks(predict, world_size, world_size, strategy, built_in, init_process_group=False)
+    reference = predict(1, {}, model_kind)
+    ranks = run_on_ranks(predict, world_size, world_size, strategy, model_kind, init_process_group=False)
     for rank, predictions in enumerate(ranks):
         assert len(predictions) == len(reference)
         for got, expected in zip(predictions, reference, strict=True):
