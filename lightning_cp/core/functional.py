@@ -107,7 +107,7 @@ def cp_attention(
 def cp_gather_sequence(tensor: torch.Tensor) -> torch.Tensor:
     """Return the replica batch's whole ``[B, S, ...]`` per-token tensor (logits, hidden states, predictions) from this
     rank's shard of it: in the batch's own token order, without the padding sharding added, on every rank of the
-    replica (what ``predict_step`` returns so predictions match one device's). Differentiable; as is without a step.
+    replica (what ``predict_step`` returns so predictions match one device's). Without an active step: as it is.
     """
     step = active_step()
     if step is None:

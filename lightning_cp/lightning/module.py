@@ -1,4 +1,5 @@
-"""``CausalLMModule``: the Lightning side every causal LM here shares — CP-aware loss, logging, AdamW + schedule."""
+"""``CausalLMModule``: the Lightning side every causal LM here shares — CP-aware loss, logging, predictions (the
+whole batch's logits), AdamW + schedule."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ from lightning_cp.core.functional import cp_gather_sequence
 from lightning_cp.core.loss import CPLoss, cp_cross_entropy
 from lightning_cp.core.runtime import ContextParallelRuntime
 from lightning_cp.core.step import ContextParallelSetting
+
+
+def max_steps_alone(max_steps: int, max_epochs: int | None) -> bool:
+    """Whether a run is bounded by ``max_steps`` alone (Lightning's ``max_epochs`` is then None or -1)."""
+    return max_steps > 0 and max_epochs in (None, -1)
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int | Callable[[], int], min_lr_ratio: float) -> float:
@@ -54,9 +60,9 @@ class CausalLMModule(pl.LightningModule):
             count = int(prepared["loss_token_count"])
             return self.token_loss(prepared["input_ids"], prepared["position_ids"], prepared["labels"], count), count
 
-        return self._on_prepared(batch, loss)
+        return self._with_prepared_batch(batch, loss)
 
-    def _on_prepared(self, batch: dict[str, Any], work: Callable[[dict[str, Any]], Any]) -> Any:
+    def _with_prepared_batch(self, batch: dict[str, Any], work: Callable[[dict[str, Any]], Any]) -> Any:
         """Run ``work`` on a batch the layout callback prepared, or on a raw replica batch prepared here as the
         callback would at cp=1 (no callback: e.g. a plain Lightning strategy)."""
         if "position_ids" in batch and "loss_token_count" in batch:
@@ -86,7 +92,7 @@ class CausalLMModule(pl.LightningModule):
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         """Return the logits ``[B, S, vocab]`` of the whole replica batch, on every rank sharing it (as one device
         computes them)."""
-        return self._on_prepared(
+        return self._with_prepared_batch(
             batch, lambda prepared: cp_gather_sequence(self.logits(prepared["input_ids"], prepared["position_ids"]))
         )
 
@@ -100,7 +106,7 @@ class CausalLMModule(pl.LightningModule):
         for once training runs: estimated earlier, it would build the training loader before a checkpoint is
         restored."""
         trainer = self.trainer
-        if trainer.max_steps > 0 and trainer.max_epochs in (None, -1):  # Lightning estimates only with epochs
+        if max_steps_alone(trainer.max_steps, trainer.max_epochs):  # Lightning estimates only with epochs
             return trainer.max_steps
         return int(trainer.estimated_stepping_batches)
 
@@ -116,7 +122,14 @@ class CausalLMModule(pl.LightningModule):
             lr=hp.lr,
             betas=tuple(hp.betas),
         )
+        total: list[int] = []  # worked out once, when the decay first needs it
+
+        def total_steps() -> int:
+            if not total:
+                total.append(self._total_steps())
+            return total[0]
+
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, self._total_steps, hp.min_lr_ratio)
+            optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, total_steps, hp.min_lr_ratio)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -23,7 +23,7 @@ from typing_extensions import override
 from lightning_cp.core.mesh import default_context_parallel_size
 from lightning_cp.lightning import state
 from lightning_cp.lightning.callback import ContextParallelLayoutCallback
-from lightning_cp.lightning.module import CausalLMModule
+from lightning_cp.lightning.module import CausalLMModule, max_steps_alone
 from lightning_cp.lightning.strategy import CPZigzagStrategy
 from lightning_cp.train import runfolder
 from lightning_cp.train.config import RUN_TIME_MODEL_KEYS, ConfigError, plain
@@ -101,7 +101,7 @@ def validation_schedule(trainer_args: dict[str, Any]) -> dict[str, Any]:
     the count stays on step ends), a fraction being of the epoch, as in Lightning."""
     interval, max_steps = trainer_args["val_check_interval"], trainer_args["max_steps"]
     accumulate = trainer_args["accumulate_grad_batches"]
-    if not (max_steps > 0 and trainer_args.get("max_epochs") in (None, -1)):
+    if not max_steps_alone(max_steps, trainer_args.get("max_epochs")):
         return {} if isinstance(interval, float) else {"val_check_interval": interval * accumulate}
     if isinstance(interval, float):
         interval = max(1, round(interval * max_steps))
@@ -329,12 +329,12 @@ def prepare_run(cfg: DictConfig) -> tuple[Path, str | None]:
     run_dir = runfolder.resolve_run_dir(cfg)
     runfolder.check_fresh_or_resumed(run_dir, resuming=cfg.checkpoint.resume_from is not None)  # "auto" may resume
     resume = runfolder.resolve_checkpoint(cfg.checkpoint.resume_from, run_dir, is_readable_checkpoint)
-    restarting = resume is None and cfg.checkpoint.resume_from == "auto"  # a folder left before its first checkpoint
+    fresh_in_old_folder = resume is None and cfg.checkpoint.resume_from == "auto"  # left before its first checkpoint
     cfg.checkpoint.init_from = runfolder.resolve_checkpoint(cfg.checkpoint.init_from, run_dir)
     if cfg.checkpoint.init_from:
         check_checkpoint_fits(cfg, cfg.checkpoint.init_from, "checkpoint.init_from")
     step = check_checkpoint_fits(cfg, resume, "checkpoint.resume_from")["global_step"] if resume is not None else 0
-    if (resume is not None or restarting) and rank_zero_only.rank == 0:
+    if (resume is not None or fresh_in_old_folder) and rank_zero_only.rank == 0:
         runfolder.truncate_metrics(run_dir / runfolder.METRICS_FILE, step)
     if rank_zero_only.rank == 0:
         runfolder.save_config(cfg, run_dir)

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import numpy as np
@@ -33,6 +33,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from lightning_cp.lightning.module import max_steps_alone
 from lightning_cp.train.data.collate import collate_dense, collate_packed
 from lightning_cp.train.data.packing import (
     DenseRows,
@@ -220,6 +221,16 @@ def _build_folder(final: Path, build: Callable[[Path], object]) -> Path:
     return final
 
 
+class StreamPosition(NamedTuple):
+    """Where training stands in an epoch's sample stream: ``samples`` of it done (over all replicas), and, as
+    Lightning counts them on this rank, ``batches``; ``replicas`` is the data-parallel size (None: not recorded)."""
+
+    epoch: int
+    samples: int
+    batches: int = 0
+    replicas: int | None = None
+
+
 class PackedTextDataModule(pl.LightningDataModule):
     """Tokenise examples, pack them into ``tokens_per_sample`` budgets and serve replica batches.
 
@@ -267,8 +278,8 @@ class PackedTextDataModule(pl.LightningDataModule):
         self.train_samples: Dataset | None = None
         self.val_samples: Dataset | None = None
         self._plan: dict[str, Any] | None = None
-        self._saved_position: tuple[int, int, int | None] | None = None
-        self._resumed_at = (0, 0, 0)
+        self._saved_position: StreamPosition | None = None  # a checkpoint's, until the training loader reads it
+        self._resumed_at = StreamPosition(0, 0)  # where the current training loader started
 
     def _cache_plan(self) -> dict[str, Any]:
         """The cache folder (None: prepare in memory), the folder names, the sources' size; worked out once."""
@@ -452,7 +463,7 @@ class PackedTextDataModule(pl.LightningDataModule):
         if trainer is not None:
             epoch = trainer.current_epoch
             saved = self._saved_position
-            if saved is not None and saved[1] and not trainer.fit_loop._loaded_from_state_dict:
+            if saved is not None and saved.samples and not trainer.fit_loop._loaded_from_state_dict:
                 raise RuntimeError(
                     "the training loader was asked for before the checkpoint's loop state was restored (by "
                     "trainer.estimated_stepping_batches in configure_optimizers?), so it cannot continue where the "
@@ -463,14 +474,18 @@ class PackedTextDataModule(pl.LightningDataModule):
                 batches = self._batches_done(trainer)
                 samples = self._resumed_samples(epoch, batches, num_replicas)
         sampler = self._sampler(self._passes(samples, num_replicas), num_replicas, rank)
-        exhausted = samples and sampler.passes * sampler.num_samples - samples < num_replicas * self.samples_per_batch
+        exhausted = (
+            samples > 0 and sampler.passes * sampler.num_samples - samples < num_replicas * self.samples_per_batch
+        )
         if exhausted or (trainer is not None and trainer.fit_loop.restarting and self._ended_an_epoch(trainer)):
             epoch, samples = epoch + 1, 0  # the epoch is done; Lightning moves on and restarts its count if it can
             sampler = self._sampler(self._passes(0, num_replicas), num_replicas, rank)
+            # Lightning restarts its count only where it reaches the new length; else it counts on from ``batches``,
+            # which the length must then include
             batches = 0 if batches >= sampler.batches_per_epoch else batches
         sampler.set_epoch(epoch)
         sampler.resume(epoch, samples, batches)
-        self._resumed_at, self._saved_position = (epoch, samples, batches), None
+        self._resumed_at, self._saved_position = StreamPosition(epoch, samples, batches), None
         return self._loader(self.train_samples, sampler)
 
     def _passes(self, samples_done: int, num_replicas: int) -> int:
@@ -498,7 +513,7 @@ class PackedTextDataModule(pl.LightningDataModule):
     @staticmethod
     def _one_epoch_of_steps(trainer: pl.Trainer) -> bool:
         """Whether the run is ``max_steps`` alone, served as one epoch of as many passes as the steps need."""
-        return trainer.max_steps > 0 and trainer.max_epochs in (None, -1)
+        return max_steps_alone(trainer.max_steps, trainer.max_epochs)
 
     def _resumed_samples(self, epoch: int, batches: int, num_replicas: int) -> int:
         """The samples of ``epoch``'s stream the checkpoint had trained on (over all its replicas). A checkpoint
@@ -506,14 +521,14 @@ class PackedTextDataModule(pl.LightningDataModule):
         size is refused (Lightning keeps one length for every epoch of a loader)."""
         if self._saved_position is None:
             return batches * num_replicas * self.samples_per_batch
-        saved_epoch, samples, replicas = self._saved_position
-        if replicas not in (None, num_replicas) and not self._one_epoch_of_steps(self.trainer):
+        saved = self._saved_position
+        if saved.replicas not in (None, num_replicas) and not self._one_epoch_of_steps(self.trainer):
             raise ValueError(
-                f"the checkpoint was saved on {replicas} data-parallel replicas; with max_epochs a run resumes on as "
-                f"many (Lightning keeps one loader length for every epoch), not {num_replicas}: resume on {replicas}, "
-                "or train with max_steps alone"
+                f"the checkpoint was saved on {saved.replicas} data-parallel replicas; with max_epochs a run resumes "
+                f"on as many (Lightning keeps one loader length for every epoch), not {num_replicas}: resume on "
+                f"{saved.replicas}, or train with max_steps alone"
             )
-        return samples if saved_epoch == epoch else 0
+        return saved.samples if saved.epoch == epoch else 0
 
     @staticmethod
     def _ended_an_epoch(trainer: pl.Trainer) -> bool:
@@ -530,20 +545,23 @@ class PackedTextDataModule(pl.LightningDataModule):
         how many replicas. Saved in every checkpoint, so a resumed run continues with the next unseen sample."""
         if self.trainer is None:
             return {}
-        epoch, samples, batches = self._resumed_at
-        if self.trainer.current_epoch != epoch:
-            epoch, samples, batches = self.trainer.current_epoch, 0, 0
+        start = self._resumed_at
+        if self.trainer.current_epoch != start.epoch:
+            start = StreamPosition(self.trainer.current_epoch, 0)
         num_replicas = self._replicas()[0]
-        done = samples + (self._batches_done(self.trainer) - batches) * num_replicas * self.samples_per_batch
-        return {"epoch": epoch, "samples": done, "replicas": num_replicas}
+        since = self._batches_done(self.trainer) - start.batches
+        done = start.samples + since * num_replicas * self.samples_per_batch
+        return {"epoch": start.epoch, "samples": done, "replicas": num_replicas}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         """Take the position a checkpoint saved (read when the training loader is built; Lightning builds one only
-        once, so a loader built before this restore is dropped); Lightning's warning that a mid-epoch resume of a
-        plain loader is unreliable does not apply to this one."""
+        once, so a loader built before this restore is dropped). Lightning's warning that a mid-epoch resume of a
+        plain loader is unreliable does not apply to this one: it is filtered out, process-wide."""
         if self.trainer is None or self.trainer.state.fn != TrainerFn.FITTING:
             return  # validate, test or predict from a checkpoint: no training to continue
-        self._saved_position = (state_dict["epoch"], state_dict["samples"], state_dict.get("replicas"))
+        self._saved_position = StreamPosition(
+            state_dict["epoch"], state_dict["samples"], replicas=state_dict.get("replicas")
+        )
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
         if self.trainer.fit_loop._combined_loader is not None:
             self.trainer.fit_loop._combined_loader = None  # built before this restore (restored after setup): anew

@@ -11,10 +11,11 @@ from torch.utils.data import Sampler
 class ResumableSampler(Sampler[int]):
     """Yield this data-parallel rank's share of ``passes`` seeded passes over ``num_samples`` samples per epoch.
 
-    The stream of one epoch is cut to a multiple of ``num_replicas * batch_size`` and dealt out round-robin, so
-    every replica gets whole batches. ``resume(epoch, samples, batches)`` makes the next iteration of that epoch
-    continue after the first ``samples`` samples of its stream, which is how a resumed run continues with the same
-    data order, also at another data-parallel size: no sample of the epoch is repeated or left out.
+    The stream of one epoch (after the samples a resumed run had done, see ``resume``) is cut to a multiple of
+    ``num_replicas * batch_size`` and dealt out round-robin, so every replica gets whole batches.
+    ``resume(epoch, samples, batches)`` makes the next iteration of that epoch continue after the first ``samples``
+    samples of its stream, which is how a resumed run continues with the same data order, also at another
+    data-parallel size: no sample of the epoch is repeated or left out.
 
     ``complete`` (evaluation): nothing is cut. The samples after the last whole round are dealt out round-robin as
     one more, shorter batch per replica; a replica they do not reach gets ``num_samples``, a filler index for a
