@@ -117,7 +117,10 @@ def test_loaders_rebuilt_every_epoch_serve_whole_epochs(corpus: Path, tmp_path: 
     """``reload_dataloaders_every_n_epochs=1``: every epoch is a whole pass (a rebuilt loader is no resume)."""
     once = fit_recording(corpus, tmp_path / "once", devices=1, max_epochs=1, max_steps=-1)
     args = {"max_epochs": 3, "max_steps": -1, "reload_dataloaders_every_n_epochs": 1}
-    assert len(fit_recording(corpus, tmp_path / "reloaded", devices=1, **args)) == 3 * len(once)
+    reloaded = fit_recording(corpus, tmp_path / "reloaded", devices=1, **args)
+    assert len(reloaded) == 3 * len(once)
+    for epoch in range(3):  # each epoch one whole pass: every sample once
+        assert sorted(reloaded[epoch * len(once) : (epoch + 1) * len(once)]) == sorted(once), f"epoch {epoch}"
 
 
 def _fit_on_ranks(corpus: Path, folder: Path, resume: str | None, max_steps: int) -> list[tuple[int, ...]]:

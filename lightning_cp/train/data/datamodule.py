@@ -474,9 +474,7 @@ class PackedTextDataModule(pl.LightningDataModule):
                 batches = self._batches_done(trainer)
                 samples = self._resumed_samples(epoch, batches, num_replicas)
         sampler = self._sampler(self._passes(samples, num_replicas), num_replicas, rank)
-        exhausted = (
-            samples > 0 and sampler.passes * sampler.num_samples - samples < num_replicas * self.samples_per_batch
-        )
+        exhausted = samples > 0 and sampler.rounds_after(samples) == 0
         if exhausted or (trainer is not None and trainer.fit_loop.restarting and self._ended_an_epoch(trainer)):
             epoch, samples = epoch + 1, 0  # the epoch is done; Lightning moves on and restarts its count if it can
             sampler = self._sampler(self._passes(0, num_replicas), num_replicas, rank)

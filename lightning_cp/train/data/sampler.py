@@ -102,5 +102,8 @@ class ResumableSampler(Sampler[int]):
         if self.complete:
             return self._mine().numel()
         samples, batches = self._resumed.get(self.epoch, (0, 0))
-        left = max(0, self.passes * self.num_samples - samples) // (self.num_replicas * self.batch_size)
-        return (batches + left) * self.batch_size
+        return (batches + self.rounds_after(samples)) * self.batch_size
+
+    def rounds_after(self, samples: int) -> int:
+        """The whole rounds (one batch per replica) an epoch's stream holds after its first ``samples``."""
+        return max(0, self.passes * self.num_samples - samples) // (self.num_replicas * self.batch_size)
