@@ -15,11 +15,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_cp import CPZigzagStrategy
+from lightning_cp.train.config import ConfigError
 from lightning_cp.train.data import PackedTextDataModule
 from lightning_cp.train.data.datamodule import CACHE_ENV
 from lightning_cp.train.models.module import LlamaLM
 from lightning_cp.train.runfolder import read_metrics
-from lightning_cp.train.runner import TokenThroughput, validation_schedule
+from lightning_cp.train.runner import TokenThroughput, interval_errors_in_steps, validation_schedule
 from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
 
 torch.set_num_threads(1)
@@ -182,6 +183,21 @@ def test_with_epochs_validation_runs_at_the_same_steps_of_every_epoch(corpus: Pa
     expected = [epoch * steps_per_epoch + step for epoch in range(2) for step in range(5, per_epoch // 3 + 1, 5)]
     assert module.validated_at == expected
 
+
+def test_an_interval_longer_than_an_epoch_is_refused_in_optimizer_steps(corpus: Path, tmp_path: Path) -> None:
+    """With ``max_epochs`` an interval of more optimizer steps than end inside an epoch's batches is refused naming
+    the steps given and the most that fit, not the batches Lightning counts; the most that fit is accepted."""
+    per_epoch = len(fit_recording(corpus, tmp_path / "once", devices=1, max_epochs=1, max_steps=-1))
+    assert per_epoch % 3
+    most, steps_per_epoch = per_epoch // 3, -(-per_epoch // 3)
+    args = {"max_epochs": 2, "max_steps": -1, "accumulate_grad_batches": 3, "val_check_interval": most + 1}
+    refusal = rf"val_check_interval={most + 1} optimizer steps .*\(at most {most}:"
+    with pytest.raises(ConfigError, match=refusal), interval_errors_in_steps(args):
+        fit_recorder(corpus, tmp_path / "long", devices=1, limit_val_batches=1, **{**args, **validation_schedule(args)})
+    args["val_check_interval"] = most
+    module = fit_recorder(corpus, tmp_path / "fits", devices=1, limit_val_batches=1,
+                          **{**args, **validation_schedule(args)})  # fmt: skip
+    assert module.validated_at == [most, steps_per_epoch + most]
 
 def test_max_epochs_ends_a_run_that_has_max_steps_left(corpus: Path, tmp_path: Path) -> None:
     """As in Lightning, training stops at whichever of ``max_epochs`` and ``max_steps`` comes first: one epoch is one

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -107,6 +109,27 @@ def validation_schedule(trainer_args: dict[str, Any]) -> dict[str, Any]:
         interval = max(1, round(interval * max_steps))
     return {"val_check_interval": min(interval, max_steps) * accumulate, "check_val_every_n_epoch": None}
 
+
+_LONGER_THAN_AN_EPOCH = re.compile(r"`val_check_interval` \(\d+\) must be less than or equal to the number of the "
+                                   r"training batches \((\d+)\)")  # fmt: skip
+
+
+@contextmanager
+def interval_errors_in_steps(trainer_args: dict[str, Any]) -> Iterator[None]:
+    """Turn Lightning's refusal of a ``val_check_interval`` longer than an epoch, which names the batches
+    ``validation_schedule`` made of it, into a ``ConfigError`` in the optimizer steps the configuration gave."""
+    try:
+        yield
+    except ValueError as error:
+        longer = _LONGER_THAN_AN_EPOCH.search(str(error))
+        if longer is None:
+            raise
+        batches, accumulate = int(longer[1]), trainer_args["accumulate_grad_batches"]
+        raise ConfigError(
+            f"trainer.val_check_interval={trainer_args['val_check_interval']} optimizer steps does not fit in an epoch "
+            f"(at most {batches // accumulate}: {batches} batches, accumulate_grad_batches={accumulate}); with "
+            "trainer.max_epochs it counts within each epoch: give at most that, or a fraction of the epoch"
+        ) from None
 
 def build_trainer(cfg: DictConfig, run_dir: Path, *, log: bool = True) -> pl.Trainer:
     """Return a Trainer that logs ``metrics.csv`` (unless ``log`` is false) and checkpoints into ``run_dir``."""
@@ -356,7 +379,8 @@ def fit(cfg: DictConfig) -> Path:
     trainer = build_trainer(cfg, run_dir)
     if resume is None and has_validation(cfg):
         trainer.validate(model, datamodule=datamodule, verbose=False)
-    trainer.fit(model, datamodule=datamodule, ckpt_path=resume, weights_only=True)
+    with interval_errors_in_steps(plain(cfg.trainer)):
+        trainer.fit(model, datamodule=datamodule, ckpt_path=resume, weights_only=True)
     if cfg.model.pretrained:
         weights = state.model_state(model)  # full tensors on global rank 0, also when FSDP sharded them
         if trainer.is_global_zero:
