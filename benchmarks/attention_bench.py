@@ -1,6 +1,7 @@
 """Benchmark CP attention: zigzag versus contiguous load balance; all-gather, ring, Ulysses and hybrid at cp 2 and 4
 (time, bytes sent, memory, balance); peak memory per rank and parallel efficiency against single-process SDPA at
-cp 1, 2 and 4; and which mode sends the fewest bytes for common GPU models.
+cp 1, 2 and 4; what a GPU's block plans hold for packed batches; and which mode sends the fewest bytes for common GPU
+models.
 
 Run from the repository root: ``python benchmarks/attention_bench.py [--quick] [--baseline CHECKOUT]``. Everything
 runs on CPU with one thread per rank (gloo for the process groups); tables are printed and saved to
@@ -434,6 +435,42 @@ def _emulated_cell(run: dict[str, float]) -> str:
     return f"{run['efficiency']:.2f}" + (f" (kernels {run['kernels']:.2f})" if "kernels" in run else "")
 
 
+def _plan_tiles(plan: kernels.BlockPlan) -> list[kernels.Block]:
+    """Every tile of a block plan: the forward's and the backward's."""
+    forward = [tile for source in plan.tiles for tile in source]
+    return forward + [tile for source in plan.piece_tiles for piece in source for tile in piece]
+
+
+def gpu_plan_table(totals: Sequence[int], cps: Sequence[int]) -> str:
+    """Rank 0's block plan under the GPU profile (large tiles, small documents sharing masked calls), built on the
+    host: masked tiles, the bytes their masks hold (documents and positions), the bytes boolean masks would take,
+    and the build time (median of 3)."""
+    lines = [
+        "### a GPU's block plans for packed batches (rank 0, built on the host; masks kept as documents and positions)",
+        "",
+        "| tokens | workload | cp | masked tiles | mask bytes held | as boolean masks | ratio | build ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for total in totals:
+        for workload in workloads(total)[1:]:
+            for cp in cps:
+                tokens = zigzag.ZigzagGeometry.packed(cp, list(workload.lengths)).rank_tokens
+                seconds = []
+                for _ in range(3):
+                    started = time.perf_counter()
+                    plan = kernels.build_block_plan(tokens, 0, True, torch.device("cpu"), profile=kernels._GPU_PROFILE)
+                    seconds.append(time.perf_counter() - started)
+                masks = [tile.mask for tile in _plan_tiles(plan) if tile.mask is not None]
+                held = sum(x.numel() * x.element_size() for m in masks for x in (m.q_doc, m.q_pos, m.k_doc, m.k_pos))
+                boolean = sum(m.q_doc.numel() * m.k_doc.numel() for m in masks)
+                lines.append(
+                    f"| {total} | {workload.name} | {cp} | {len(masks)} | {held / 2**20:.2f} MiB | "
+                    f"{boolean / 2**20:.1f} MiB | {boolean / max(held, 1):.0f} | "
+                    f"{statistics.median(seconds) * 1e3:.0f} |"
+                )
+    return "\n".join(lines)
+
+
 def rule_table() -> str:
     """Bytes per layer of each mode relative to all-gather for common GPU models, and what ``auto`` picks."""
     models = [
@@ -547,6 +584,7 @@ def main() -> None:
     parser.add_argument("--efficiency-tokens", default="16384,32768", help="token counts of the efficiency table")
     parser.add_argument("--memory-tokens", default="65536", help="token counts of memory-only rows in that table")
     parser.add_argument("--only-efficiency", action="store_true", help="only the memory and efficiency table")
+    parser.add_argument("--only-gpu-plans", action="store_true", help="only the GPU block plan table (a minute)")
     parser.add_argument("--trial", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -557,15 +595,20 @@ def main() -> None:
     balance_tokens, modes_tokens, repeats = (8192, 2048, 2) if args.quick else (32768, 8192, 3)
     efficiency_tokens = [4096] if args.quick else [int(x) for x in args.efficiency_tokens.split(",") if x]
     memory_tokens = [8192] if args.quick else [int(x) for x in args.memory_tokens.split(",") if x]
+    plan_tokens = [8192] if args.quick else [32768, 65536]
     started = time.perf_counter()
-    sections = (
-        []
-        if args.only_efficiency
-        else [balance_table(balance_tokens, 4, repeats), modes_table(modes_tokens, (2, 4), repeats)]
-    )
-    sections.append(efficiency_table(efficiency_tokens, memory_tokens, (1, 2, 4), args.baseline))
-    if not args.only_efficiency:
-        sections.append(rule_table())
+    if args.only_gpu_plans:
+        sections = [gpu_plan_table(plan_tokens, (2, 4))]
+    elif args.only_efficiency:
+        sections = [efficiency_table(efficiency_tokens, memory_tokens, (1, 2, 4), args.baseline)]
+    else:
+        sections = [
+            balance_table(balance_tokens, 4, repeats),
+            modes_table(modes_tokens, (2, 4), repeats),
+            efficiency_table(efficiency_tokens, memory_tokens, (1, 2, 4), args.baseline),
+            gpu_plan_table(plan_tokens, (2, 4)),
+            rule_table(),
+        ]
     command = " ".join(["python", "benchmarks/attention_bench.py", *sys.argv[1:]])
     header = (
         f"## attention_bench{' --quick' if args.quick else ''}\n\n"

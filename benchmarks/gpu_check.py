@@ -943,14 +943,15 @@ def measure_performance(settings: Settings, report: Report, budget: Budget) -> N
 
 def tile_seconds(settings: Settings, kernel_name: str, rows: int, masked: bool) -> float:
     """Seconds per ``rows`` x ``rows`` tile, forward + backward, through the library's per-tile path (the kernel, the
-    log-sum-exp merge, the gradient adds); ``masked``: a mask of two documents, as grouped small documents get."""
+    log-sum-exp merge, the gradient adds); ``masked``: a mask of two documents, as grouped small documents get (built
+    for each call, as there)."""
     heads, dim, device, dtype = settings.perf_heads, settings.perf_head_dim, settings.device, settings.torch_dtype
     q, k, v, dout = (torch.randn(1, heads, rows, dim, device=device, dtype=dtype) for _ in range(4))
     acc = kernels.accumulation_dtype(dtype)
     out, lse = torch.zeros(q.shape, dtype=acc, device=device), torch.zeros(q.shape[:3], dtype=acc, device=device)
     grads = tuple(torch.zeros(x.shape, dtype=acc, device=device) for x in (q, k, v))
-    second = torch.arange(rows, device=device) >= rows // 2
-    mask = second.unsqueeze(1) == second.unsqueeze(0) if masked else None
+    documents, positions = (torch.arange(rows, device=device) >= rows // 2).long(), torch.arange(rows, device=device)
+    mask = kernels.TileMask(documents, positions, documents, positions, causal=False) if masked else None
     calls = max(2, min(50, (4096 // rows) ** 2 * 2))
     blocks = [kernels.Block(slice(0, rows), slice(0, rows), mask)] * calls
     kernel, scale = attention._KERNELS[kernel_name], 1.0 / math.sqrt(dim)

@@ -175,10 +175,32 @@ def _stream_slices(x: torch.Tensor, cp: int, per_rank: int) -> list[torch.Tensor
     return list(padded.split(per_rank))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_tile_mask_answers_from_its_vectors_as_its_dense_mask_would(causal):
+    """``TileMask``'s checks (some pair attends, every pair does) and its sub-tiles, worked out from documents and
+    positions, agree with the boolean mask built pair by pair, on random tiles with padding (document -1)."""
+    generator = torch.Generator().manual_seed(3)
+    for trial in range(300):
+        rows, cols, documents = (int(x) for x in torch.randint(1, 7, (3,), generator=generator))
+        q_doc, k_doc = (torch.randint(-1, documents, (n,), generator=generator) for n in (rows, cols))
+        if trial % 3 == 0:  # one document on both sides, so that "every pair" is reachable
+            q_doc, k_doc = q_doc.clamp(min=0) * 0, k_doc.clamp(min=0) * 0
+        q_pos, k_pos = (torch.randint(0, 8, (n,), generator=generator) for n in (rows, cols))
+        mask = kernels.TileMask(q_doc, q_pos, k_doc, k_pos, causal)
+        expected = (q_doc[:, None] == k_doc[None, :]) & (q_doc[:, None] >= 0)
+        if causal:
+            expected &= k_pos[None, :] <= q_pos[:, None]
+        assert torch.equal(mask.dense(), expected)
+        assert (mask.any(), mask.all()) == (bool(expected.any()), bool(expected.all())), (q_doc, q_pos, k_doc, k_pos)
+        i = torch.randperm(rows, generator=generator)[: max(1, rows // 2)]
+        j = torch.randperm(cols, generator=generator)[: max(1, cols // 2)]
+        assert torch.equal(mask.take(i, j).dense(), expected[i][:, j])
+
+
 def test_single_document_block_masks_interleaved_positions():
     rows, cols = slice(0, 3), slice(0, 3)
     block = kernels._single_document_block(rows, cols, torch.tensor([2, 3, 4]), torch.tensor([3, 4, 5]), True)
-    assert block.mask.tolist() == [[False, False, False], [True, False, False], [True, True, False]]
+    assert block.mask.dense().tolist() == [[False, False, False], [True, False, False], [True, True, False]]
     assert kernels._single_document_block(rows, cols, torch.tensor([0, 1]), torch.tensor([2, 3]), True) is None
     diagonal = kernels._single_document_block(rows, cols, torch.tensor([4, 5, 6]), torch.tensor([4, 5, 6]), True)
     assert diagonal.causal and diagonal.mask is None

@@ -7,7 +7,9 @@ addressed in the ranks' *local* token order, so the attention runs on the caller
 copies. A backward tile spans at most ``tile_rows`` rows and columns (1/16 of a rank's rows by default), a forward
 tile a few times the rows, which bounds every buffer the kernels allocate per call; the backward also takes keys one
 tile-sized piece at a time. How large tiles are, how causal squares are cut and when small documents share a masked
-call depend on what the kernels cost (``PlanProfile``: measured for the CPU's, estimated for a GPU's).
+call depend on what the kernels cost (``PlanProfile``: measured for the CPU's, estimated for a GPU's). A masked tile
+keeps its rows' and columns' documents and positions (``TileMask``), so a plan's masks cost vectors, not ``[rows,
+cols]`` booleans: the boolean mask exists only during its kernel call.
 ``forward_source``/``backward_source`` run one source rank's blocks or tiles with a ``BlockKernel`` (``MATH``,
 ``CPU_FLASH``, ``CUDA_SDPA``), merging the forward by log-sum-exp and accumulating gradients in place.
 
@@ -364,16 +366,72 @@ def flash_attn_varlen_func() -> Callable[..., Tensor] | None:
 
 
 @dataclass(frozen=True)
+class TileMask:
+    """Which pairs of a tile attend, kept as its rows' and columns' document and position: query ``i`` sees key
+    ``j`` iff ``q_doc[i] == k_doc[j] >= 0`` and, if ``causal``, ``k_pos[j] <= q_pos[i]``. Vectors instead of the
+    boolean ``[rows, cols]`` (``dense``), which a large tile of small documents would make the bulk of a plan."""
+
+    q_doc: Tensor
+    q_pos: Tensor
+    k_doc: Tensor
+    k_pos: Tensor
+    causal: bool
+
+    @classmethod
+    def triangle(cls, q_pos: Tensor, k_pos: Tensor) -> TileMask:
+        """One document's pairs with the key not after the query."""
+        return cls(torch.zeros_like(q_pos), q_pos, torch.zeros_like(k_pos), k_pos, True)
+
+    def dense(self) -> Tensor:
+        """The boolean mask ``[rows, cols]`` the kernels take (``True``: the query sees the key)."""
+        return _visible(self.q_doc, self.q_pos, self.k_doc, self.k_pos, self.causal)
+
+    def take(self, rows: Tensor, cols: Tensor) -> TileMask:
+        """The mask of rows ``rows`` x columns ``cols`` of this tile."""
+        return TileMask(self.q_doc[rows], self.q_pos[rows], self.k_doc[cols], self.k_pos[cols], self.causal)
+
+    def any(self) -> bool:
+        """Whether some pair attends: some document's earliest key is not after its latest query (without building
+        the pairs)."""
+        q_valid, k_valid = self.q_doc >= 0, self.k_doc >= 0
+        if not bool(q_valid.any()) or not bool(k_valid.any()):
+            return False
+        documents = int(torch.cat([self.q_doc, self.k_doc]).max()) + 1
+        q_pos, k_pos = (self.q_pos, self.k_pos) if self.causal else (self.q_pos * 0, self.k_pos * 0)
+        latest = torch.full((documents,), -1, dtype=q_pos.dtype).scatter_reduce(
+            0, self.q_doc[q_valid], q_pos[q_valid], "amax"
+        )
+        earliest = torch.full((documents,), torch.iinfo(k_pos.dtype).max, dtype=k_pos.dtype).scatter_reduce(
+            0, self.k_doc[k_valid], k_pos[k_valid], "amin"
+        )
+        return bool((earliest <= latest).any())
+
+    def all(self) -> bool:
+        """Whether every pair attends: one document on both sides, no key after any query."""
+        doc = self.q_doc[:1]
+        if not doc.numel() or not self.k_doc.numel() or int(doc) < 0:
+            return False
+        if not bool((self.q_doc == doc).all() & (self.k_doc == doc).all()):
+            return False
+        return not self.causal or int(self.k_pos.max()) <= int(self.q_pos.min())
+
+
+def dense_mask(mask: TileMask | None) -> Tensor | None:
+    """A tile's boolean mask for a kernel call (``None``: every pair attends)."""
+    return None if mask is None else mask.dense()
+
+
+@dataclass(frozen=True)
 class Block:
     """Local query rows x source key rows that attend: a slice, or an index tensor where the rows are not adjacent.
 
-    Every pair attends unless ``mask`` (boolean ``[rows, cols]``) says otherwise or ``causal`` makes the square block
-    lower-triangular. Plan blocks (``BlockPlan.blocks``) are slices in half-major order; tiles are in local order.
+    Every pair attends unless ``mask`` says otherwise or ``causal`` makes the square block lower-triangular. Plan
+    blocks (``BlockPlan.blocks``) are slices in half-major order; tiles are in local order.
     """
 
     rows: slice | Tensor
     cols: slice | Tensor
-    mask: Tensor | None = None
+    mask: TileMask | None = None
     causal: bool = False
 
 
@@ -604,7 +662,7 @@ def _single_document_block(rows: slice, cols: slice, q_pos: Tensor, k_pos: Tenso
         return None
     if torch.equal(q_pos, k_pos) and bool((q_pos[1:] > q_pos[:-1]).all()):
         return Block(rows, cols, causal=True)
-    return Block(rows, cols, k_pos.unsqueeze(0) <= q_pos.unsqueeze(1))
+    return Block(rows, cols, TileMask.triangle(q_pos, k_pos))
 
 
 def _masked_block(
@@ -615,13 +673,13 @@ def _masked_block(
     causal: bool,
     group: list[int],
 ) -> Block | None:
-    """Build the explicit mask of a document group's bounding box, restricted to the group's documents."""
-    q_doc = query[0][rows]
-    mask = _visible(q_doc, query[1][rows], key[0][cols], key[1][cols], causal)
-    mask &= torch.isin(q_doc, torch.tensor(group)).unsqueeze(1)
-    if not bool(mask.any()):
+    """The mask of a document group's bounding box, restricted to the group's documents (the others' rows marked as
+    seeing nothing)."""
+    q_doc = query[0][rows].masked_fill(~torch.isin(query[0][rows], torch.tensor(group)), -1)
+    mask = TileMask(q_doc, query[1][rows], key[0][cols], key[1][cols], causal)
+    if not mask.any():
         return None
-    return Block(rows, cols, None if bool(mask.all()) else mask)
+    return Block(rows, cols, None if mask.all() else mask)
 
 
 def _joined(
@@ -706,8 +764,10 @@ def _visit_tensors(nested: Any, visit: Callable[[Tensor], Any]) -> Any:
         return visit(nested)
     if isinstance(nested, Block):
         rows, cols = _visit_tensors(nested.rows, visit), _visit_tensors(nested.cols, visit)
-        mask = None if nested.mask is None else _visit_tensors(nested.mask, visit)
-        return Block(rows, cols, mask, nested.causal)
+        return Block(rows, cols, _visit_tensors(nested.mask, visit), nested.causal)
+    if isinstance(nested, TileMask):
+        vectors = (_visit_tensors(x, visit) for x in (nested.q_doc, nested.q_pos, nested.k_doc, nested.k_pos))
+        return TileMask(*vectors, nested.causal)
     if isinstance(nested, (tuple, list)):
         return type(nested)(_visit_tensors(item, visit) for item in nested)
     return nested
@@ -805,12 +865,12 @@ def _sub_block(block: Block, rows: Tensor, cols: Tensor, i: Tensor, j: Tensor, l
         if int(i.min()) < int(j.max()):
             if int(i.max()) < int(j.min()):
                 return []
-            mask = j.unsqueeze(0) <= i.unsqueeze(1)
+            mask = TileMask.triangle(i, j)
     elif block.mask is not None:
-        mask = block.mask[i][:, j]
-        if not bool(mask.any()):
+        mask = block.mask.take(i, j)
+        if not mask.any():
             return []
-        mask = None if bool(mask.all()) else mask
+        mask = None if mask.all() else mask
     return [Block(_as_index(rows[i]), _as_index(cols[j]), mask)]
 
 
@@ -928,7 +988,7 @@ def _forward_block(
     """One block of ``forward_source`` (its own function, so the kernel's outputs are freed before the next call)."""
     rows, cols = block.rows, block.cols
     block_out, block_lse = kernel.forward(
-        take_rows(q, rows, 2), take_rows(k, cols, 2), take_rows(v, cols, 2), block.mask, block.causal, scale
+        take_rows(q, rows, 2), take_rows(k, cols, 2), take_rows(v, cols, 2), dense_mask(block.mask), block.causal, scale
     )
     out_rows, lse_rows = take_rows(out, rows, 2), take_rows(lse, rows, 2)  # views for a slice, else copies
     _merge_into(out_rows, lse_rows, block_out, block_lse)
@@ -979,7 +1039,8 @@ def _backward_block(
     row_tensors = (take_rows(x, rows, 2) for x in (dout, q))
     col_tensors = (take_rows(x, cols, 2) for x in (k, v))
     merged = (take_rows(x, rows, 2) for x in (out, lse))
-    gq, gk, gv = kernel.backward(*row_tensors, *col_tensors, *merged, block.mask, block.causal, scale)
+    mask = dense_mask(block.mask)
+    gq, gk, gv = kernel.backward(*row_tensors, *col_tensors, *merged, mask, block.causal, scale)
     add_rows(dq, rows, gq, 2)
     add_rows(dk, cols, gk, 2)
     add_rows(dv, cols, gv, 2)
