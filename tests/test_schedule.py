@@ -199,6 +199,7 @@ def test_an_interval_longer_than_an_epoch_is_refused_in_optimizer_steps(corpus: 
                           **{**args, **validation_schedule(args)})  # fmt: skip
     assert module.validated_at == [most, steps_per_epoch + most]
 
+
 def test_max_epochs_ends_a_run_that_has_max_steps_left(corpus: Path, tmp_path: Path) -> None:
     """As in Lightning, training stops at whichever of ``max_epochs`` and ``max_steps`` comes first: one epoch is one
     pass over the training samples."""

@@ -131,6 +131,7 @@ def interval_errors_in_steps(trainer_args: dict[str, Any]) -> Iterator[None]:
             "trainer.max_epochs it counts within each epoch: give at most that, or a fraction of the epoch"
         ) from None
 
+
 def build_trainer(cfg: DictConfig, run_dir: Path, *, log: bool = True) -> pl.Trainer:
     """Return a Trainer that logs ``metrics.csv`` (unless ``log`` is false) and checkpoints into ``run_dir``."""
     checkpoint = ModelCheckpoint(

@@ -391,18 +391,15 @@ class TileMask:
         return TileMask(self.q_doc[rows], self.q_pos[rows], self.k_doc[cols], self.k_pos[cols], self.causal)
 
     def any(self) -> bool:
-        """Whether some pair attends: some document's earliest key is not after its latest query (without building
-        the pairs)."""
+        """Whether some pair attends: a document on both sides, whose earliest key (if causal) is not after its latest
+        query (without building the pairs)."""
         q_valid, k_valid = self.q_doc >= 0, self.k_doc >= 0
-        if not bool(q_valid.any()) or not bool(k_valid.any()):
-            return False
+        if not self.causal or not bool(q_valid.any()):
+            return bool(torch.isin(self.q_doc[q_valid], self.k_doc[k_valid]).any())
         documents = int(torch.cat([self.q_doc, self.k_doc]).max()) + 1
-        q_pos, k_pos = (self.q_pos, self.k_pos) if self.causal else (self.q_pos * 0, self.k_pos * 0)
-        latest = torch.full((documents,), -1, dtype=q_pos.dtype).scatter_reduce(
-            0, self.q_doc[q_valid], q_pos[q_valid], "amax"
-        )
-        earliest = torch.full((documents,), torch.iinfo(k_pos.dtype).max, dtype=k_pos.dtype).scatter_reduce(
-            0, self.k_doc[k_valid], k_pos[k_valid], "amin"
+        latest = torch.full((documents,), -1).scatter_reduce(0, self.q_doc[q_valid], self.q_pos[q_valid], "amax")
+        earliest = torch.full((documents,), torch.iinfo(torch.int64).max).scatter_reduce(
+            0, self.k_doc[k_valid], self.k_pos[k_valid], "amin"
         )
         return bool((earliest <= latest).any())
 
