@@ -91,22 +91,28 @@ def _shard(x: torch.Tensor, tokens: zigzag.RankTokens, offsets: torch.Tensor) ->
 def _rank_time(workload: Workload, tokens: list[zigzag.RankTokens], rank: int, tensors: tuple) -> tuple[float, float]:
     """CPU seconds of one rank's forward + backward against every rank's K/V, run as ``allgather`` runs it (the same
     tiles and key pieces, the other ranks' finite flags given as their messages carry them) without a group, and the
-    share of them spent inside the block kernels' calls."""
+    share of them spent inside the block kernels' calls. The call is timed after an identical untimed one, so that its
+    outputs and gradients land on memory that call freed, as in a training loop: on a virtual machine that hands freed
+    memory back to its host, fresh pages can cost about 3 ms per MiB to fault in (0.4 s for the four 32 MiB outputs
+    and gradients of a 16k-row rank), which the per-document SDPA reference, with its small buffers, never pays."""
     offsets = torch.tensor([0, *workload.lengths]).cumsum(0)
     plan = kernels.build_block_plan(tokens, rank, True, torch.device("cpu"))
     shards = [[_shard(x, t, offsets) for x in tensors] for t in tokens]
-    q, k, v = (x.requires_grad_() for x in shards[rank])
     kv_all = torch.stack([torch.stack(shard[1:]) for shard in shards]).detach()
     kv_finite = torch.stack([kernels.all_finite(kv) for kv in kv_all])  # each owner's flag, sent with its K/V
     sent = torch.zeros_like(kv_all)
-    in_kernels = [0.0]
-    kernel = _timed_kernel(kernels.CPU_FLASH, in_kernels)
-    start = time.thread_time()
-    out = attention.emulated_rank_attention(
-        q, k, v, kv_all, sent, plan, scale=HEAD_DIM**-0.5, kernel=kernel, kv_finite=kv_finite
-    )
-    out.backward(torch.ones_like(out))
-    return time.thread_time() - start, in_kernels[0]
+    for _ in range(2):  # the last call counts
+        q, k, v = (x.detach().requires_grad_() for x in shards[rank])
+        in_kernels = [0.0]
+        kernel = _timed_kernel(kernels.CPU_FLASH, in_kernels)
+        start = time.thread_time()
+        out = attention.emulated_rank_attention(
+            q, k, v, kv_all, sent, plan, scale=HEAD_DIM**-0.5, kernel=kernel, kv_finite=kv_finite
+        )
+        out.backward(torch.ones_like(out))
+        seconds = time.thread_time() - start
+        del out, q, k, v
+    return seconds, in_kernels[0]
 
 
 def _timed_kernel(kernel: kernels.BlockKernel, seconds: list[float]) -> kernels.BlockKernel:
@@ -279,7 +285,7 @@ def _sdpa_reference(workload: Workload, track_memory: bool) -> dict[str, float]:
     """Single process, one thread, after a warm-up call on a quarter of the tokens: with ``track_memory`` SDPA's peak
     resident growth for forward + backward over all the workload's tokens (the flash kernel's buffers do not depend
     on the mask), else its CPU seconds for the same work as the workload (packed: each document on its own, the
-    cheapest exact way)."""
+    cheapest exact way), each call timed after an identical untimed one."""
 
     def run(length: int) -> tuple[float, float]:
         q, k, v = (torch.randn(length, 1, EFFICIENCY_HEADS, HEAD_DIM).requires_grad_() for _ in range(3))
@@ -294,14 +300,20 @@ def _sdpa_reference(workload: Workload, track_memory: bool) -> dict[str, float]:
     if track_memory:
         return {"peak": run(sum(workload.lengths))[1]}
     lengths = workload.lengths if workload.packed else (sum(workload.lengths),)
-    return {"seconds": sum(run(length)[0] for length in lengths)}
+
+    def second_call(length: int) -> float:
+        run(length)
+        return run(length)[0]
+
+    return {"seconds": sum(second_call(length) for length in lengths)}
 
 
 def _shard_trial(workload: Workload, mode: str, track_memory: bool) -> dict[str, float]:
     """Rank body: the peak resident growth (``track_memory``) or the CPU seconds (all threads, and the calling thread
     alone) of one ``zigzag_attention`` forward + backward with the public defaults, after a warm-up call on a
-    quarter-size batch (first calls of a size grow buffers that later calls reuse) and with the batch's block plan
-    built (once per batch in training, shared by every layer and the backward)."""
+    quarter-size batch (first calls of a size grow buffers that later calls reuse) or, timed, after an identical
+    untimed call (so its buffers land on memory that call freed, as in a training loop), and with the batch's block
+    plan built (once per batch in training, shared by every layer and the backward)."""
     cp = dist.get_world_size()
     heads = (EFFICIENCY_HEADS, EFFICIENCY_HEADS)
     warm = Workload("warm-up", tuple(max(1, length // 4) for length in workload.lengths), workload.packed)
@@ -312,7 +324,7 @@ def _shard_trial(workload: Workload, mode: str, track_memory: bool) -> dict[str,
         else zigzag.ZigzagGeometry.dense(cp, total)
     )
     attention._block_plan(geometry, dist.get_rank(), True, torch.device("cpu"), kernels.plan_profile(kernels.CPU_FLASH))
-    for case in (warm, workload):  # the last one counts
+    for case in (warm if track_memory else workload, workload):  # the last one counts
         local, params = _mode_inputs(case, heads, cp, 1)
         leaves = [x.clone().requires_grad_() for x in local]
         del local
@@ -387,15 +399,17 @@ def efficiency_table(
     lines = [
         f"### memory and parallel efficiency against single-process SDPA (causal, Hq=Hkv={EFFICIENCY_HEADS}, "
         f"D={HEAD_DIM}, float32, cpu_flash, gloo, 1 thread per rank, {os.cpu_count()} CPU cores shared by all ranks "
-        "and other work; one forward + backward after a warm-up call at a quarter of the size, the batch's block plan "
+        "and other work; one forward + backward after a warm-up call at a quarter of the size (memory) or an identical "
+        "untimed call (time), the batch's block plan "
         "built before. peak = resident growth during the call (highest rank); memory = peak / (SDPA's peak over all "
         "the tokens / cp), target <= 1.2; efficiency = the slowest rank's CPU seconds x cp / SDPA's CPU seconds for "
         "the same work at one thread (packed: SDPA per document), target <= 1.1, counting all the rank's threads "
         "(compute and gloo's copying through loopback sockets) or the compute thread alone; CPU time, not wall time, "
         "since the ranks share the cores; 'emulated in one process' (packed): every rank's work "
         "run one after another in one process through the same tiles and kernels, the exchange replaced by local "
-        "copies (the compute side alone), against SDPA measured in the same process, best of 3 interleaved rounds "
-        "each, and in brackets the same ratio for the time inside the kernels' calls alone (the rest is bookkeeping); "
+        "copies (the compute side alone; each rank's call timed after an identical untimed one), against SDPA "
+        "measured in the same process, best of 3 interleaved rounds each, and in brackets the same ratio for the "
+        "time inside the kernels' calls alone (the rest is bookkeeping); "
         f"'-': not timed){compared}",
         "",
         f"| workload | cp | mode | peak MiB per rank ({columns}) | memory ({columns}) | efficiency, all threads "
@@ -427,6 +441,26 @@ def efficiency_table(
                         [f"{run['thread'] * cp / sdpa_seconds:.2f}" if timed else "-" for run in runs],
                     ]
                     lines.append(f"| {workload.name} | {cp} | {mode} | {' | '.join(' -> '.join(c) for c in cells)} |")
+    return "\n".join(lines)
+
+
+def emulated_table(totals: Sequence[int], cps: Sequence[int]) -> str:
+    """The efficiency table's emulated rows alone (packed batches, the compute side of every rank in one process)."""
+    lines = [
+        "### compute-side efficiency, emulated in one process (causal, packed, Hq=Hkv="
+        f"{EFFICIENCY_HEADS}, D={HEAD_DIM}, float32, cpu_flash, one thread: every rank's forward + backward run one "
+        "after another through the same tiles and kernels as allgather, each timed after an identical untimed call; "
+        "the slowest rank's CPU seconds x cp / per-document SDPA's, best of 3 interleaved rounds, target <= 1.1; in "
+        "brackets the same ratio for the time inside the kernels' calls alone)",
+        "",
+        "| workload | cp | efficiency |",
+        "| --- | --- | --- |",
+    ]
+    for total in totals:
+        for workload in workloads(total):
+            if workload.packed:
+                lines += [f"| {workload.name} | {cp} | {_emulated_cell(_trial(workload, cp, 'emulated', None))} |"
+                          for cp in cps]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -584,6 +618,7 @@ def main() -> None:
     parser.add_argument("--efficiency-tokens", default="16384,32768", help="token counts of the efficiency table")
     parser.add_argument("--memory-tokens", default="65536", help="token counts of memory-only rows in that table")
     parser.add_argument("--only-efficiency", action="store_true", help="only the memory and efficiency table")
+    parser.add_argument("--only-emulated", action="store_true", help="only the emulated compute-side rows")
     parser.add_argument("--only-gpu-plans", action="store_true", help="only the GPU block plan table (a minute)")
     parser.add_argument("--trial", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -599,6 +634,8 @@ def main() -> None:
     started = time.perf_counter()
     if args.only_gpu_plans:
         sections = [gpu_plan_table(plan_tokens, (2, 4))]
+    elif args.only_emulated:
+        sections = [emulated_table(efficiency_tokens, (2, 4))]
     elif args.only_efficiency:
         sections = [efficiency_table(efficiency_tokens, memory_tokens, (1, 2, 4), args.baseline)]
     else:
