@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from itertools import pairwise
 
 import pytest
@@ -146,3 +147,80 @@ def _conversion_checks(cp: int, tp: int, tp_fastest: bool) -> int:
 def test_conversions_on_gloo_ranks(cp, tp, tp_fastest):
     counts = run_on_ranks(_conversion_checks, cp * tp, cp, tp, tp_fastest, timeout=120)
     assert counts == [7 if tp == 1 else 14] * (cp * tp)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes in one more trailing dimension: a bit-exact comparison for any dtype."""
+    return tensor.unsqueeze(-1).view(torch.uint8)
+
+
+_UNUSUAL_DTYPES = (torch.bool, torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn)
+
+
+def _every_dtype_and_width_converts() -> int:
+    """Dtypes gloo cannot exchange (bool, int16, unsigned, float8) and empty rows convert exactly, both ways."""
+    cp, rank, group = dist.get_world_size(), dist.get_rank(), dist.group.WORLD
+    length = 4 * cp
+    cu = [0, 1, 2 * cp + 1, length]
+    plan = build_thd_cp_layout_plan(torch.tensor(cu, dtype=torch.int32), length, group)
+    packed_positions, _ = thd_positions(cu, None, cp, 1)
+    own = list(range(rank * length // cp, (rank + 1) * length // cp))
+    cases = [
+        (dense_positions("contiguous", cp, 1, length)[rank], dense_positions("zigzag", cp, 1, length)[rank], None),
+        (own, packed_positions[rank], plan),
+    ]
+    checks = 0
+    for contiguous, zigzag, thd_plan in cases:
+        for dtype in _UNUSUAL_DTYPES:
+            for shape in ((length,), (length, 2, 3)):
+                values = (torch.arange(1, math.prod(shape) + 1) % 7).reshape(shape)
+                for seq_dim, numbers in ((0, values), (1, torch.stack([values, values.flip(0)]))):
+                    stream, local = numbers.to(dtype), take(numbers, contiguous, seq_dim).to(dtype)
+                    converted = contiguous_to_zigzag(local, group, thd_plan=thd_plan, seq_dim=seq_dim)
+                    assert converted.dtype == dtype
+                    assert torch.equal(_as_bytes(converted), take(_as_bytes(stream), zigzag, seq_dim)), (dtype, shape)
+                    back = zigzag_to_contiguous(converted, group, thd_plan=thd_plan, seq_dim=seq_dim)
+                    assert torch.equal(_as_bytes(back), _as_bytes(local)), (dtype, shape, seq_dim)
+                    checks += 1
+        for shape in ((length, 0), (2, length, 0)):
+            seq_dim = len(shape) - 2
+            empty = torch.zeros(shape).narrow(seq_dim, 0, len(contiguous))
+            converted = contiguous_to_zigzag(empty, group, thd_plan=thd_plan, seq_dim=seq_dim)
+            assert converted.shape == take(torch.zeros(shape), zigzag, seq_dim).shape
+            assert zigzag_to_contiguous(converted, group, thd_plan=thd_plan, seq_dim=seq_dim).shape == empty.shape
+            checks += 1
+    return checks
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_every_dtype_and_empty_rows_convert_exactly(cp):
+    counts = run_on_ranks(_every_dtype_and_width_converts, cp, timeout=120)
+    assert counts == [2 * (len(_UNUSUAL_DTYPES) * 2 * 2 + 2)] * cp
+
+
+def _second_order_gradients() -> list[bool]:
+    """A backward that builds a graph (``create_graph=True``) differentiates through the inverse conversion too."""
+    cp, rank, group = dist.get_world_size(), dist.get_rank(), dist.group.WORLD
+    length = 4 * cp
+    cu = [0, 3, length]
+    plan = build_thd_cp_layout_plan(torch.tensor(cu, dtype=torch.int32), length, group)
+    packed_positions, _ = thd_positions(cu, None, cp, 1)
+    own = list(range(rank * length // cp, (rank + 1) * length // cp))
+    weights = _random((length, 2), 11)
+    outcomes = []
+    for contiguous, zigzag, thd_plan in (
+        (dense_positions("contiguous", cp, 1, length)[rank], dense_positions("zigzag", cp, 1, length)[rank], None),
+        (own, packed_positions[rank], plan),
+    ):
+        local = torch.zeros(len(contiguous), 2, dtype=torch.float64, requires_grad=True)
+        converted = contiguous_to_zigzag(local, group, thd_plan=thd_plan)
+        upstream = torch.ones_like(converted, requires_grad=True)
+        (gradient,) = torch.autograd.grad(converted, local, upstream, create_graph=True)
+        # the gradient is the inverse conversion of ``upstream``, so d<gradient, w>/d upstream is w converted
+        (second,) = torch.autograd.grad((gradient * take(weights, contiguous)).sum(), upstream)
+        outcomes.append(torch.equal(second, take(weights, zigzag)))
+    return outcomes
+
+
+def test_second_order_gradients_go_through_the_inverse_conversion():
+    assert run_on_ranks(_second_order_gradients, 2, timeout=120) == [[True, True]] * 2

@@ -58,14 +58,33 @@ class _StagingBuffers(threading.local):
 _staging = _StagingBuffers()
 
 
+_EXCHANGED_AS_IS = frozenset(
+    {
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex64,
+        torch.complex128,
+        torch.int64,
+        torch.int32,
+        torch.int8,
+        torch.uint8,
+    }
+)
+"""Dtypes that gloo and NCCL exchange and the CPU index kernels copy; the movers carry any other as its bytes."""
+
+
 def _carried_as_bytes(move: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """Wrap a data mover so bool tensors travel as uint8 (gloo has no bool type) and come back as bool."""
+    """Wrap a data mover so a tensor of any other dtype (bool, int16, unsigned, float8) travels as its bytes, in one
+    more trailing dimension, and comes back in its dtype; zeroed padding bytes read back as zero in every dtype."""
 
     @functools.wraps(move)
     def wrapper(input_: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if input_.dtype != torch.bool:
+        if input_.dtype in _EXCHANGED_AS_IS:
             return move(input_, *args, **kwargs)
-        return move(input_.view(torch.uint8), *args, **kwargs).view(torch.bool)
+        moved = move(input_.unsqueeze(-1).view(torch.uint8), *args, **kwargs)
+        return moved.view(input_.dtype).squeeze(-1)
 
     return wrapper
 
@@ -154,7 +173,7 @@ def _move_segments(
         send = _staging.get("send", (len(sent), before, size, after), input_.dtype, input_.device)
         for position, slot in enumerate(sent):
             send[position].copy_(rows.narrow(1, slot * size, size))
-        send = send.view(-1, after)
+        send = send.view(len(sent) * before * size, after)
     rows_per_segment = before * size
     output_splits = [count * rows_per_segment for count in moves.output_segment_counts]
     input_splits = [count * rows_per_segment for count in moves.input_segment_counts]
@@ -163,7 +182,8 @@ def _move_segments(
         comm.all_to_all_v_into(landing, send, output_splits, input_splits, group)
         return output
     received = _staging.get("receive", (len(received_slots), before, size, after), input_.dtype, input_.device)
-    comm.all_to_all_v_into(received.view(-1, after), send, output_splits, input_splits, group)
+    landing = received.view(len(received_slots) * before * size, after)
+    comm.all_to_all_v_into(landing, send, output_splits, input_splits, group)
     for index, slot in enumerate(received_slots):
         placed.narrow(1, slot * size, size).copy_(received[index])
     return output
@@ -193,12 +213,13 @@ class _SegmentRedistribution(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_, plan, reverse_plan, group, seq_dim, own_rank):  # type: ignore[override]
-        ctx.reverse_plan, ctx.group, ctx.seq_dim, ctx.own_rank = reverse_plan, group, seq_dim, own_rank
+        ctx.plans, ctx.group, ctx.seq_dim, ctx.own_rank = (reverse_plan, plan), group, seq_dim, own_rank
         return _move_segments(input_, plan, group, seq_dim, own_rank)
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
-        grad_input = _move_segments(grad_output, ctx.reverse_plan, ctx.group, ctx.seq_dim, ctx.own_rank)
+        """The inverse conversion, itself differentiable when the backward builds a graph (``create_graph``)."""
+        grad_input = redistribute_segments(grad_output, *ctx.plans, ctx.group, ctx.seq_dim, ctx.own_rank)
         return grad_input, None, None, None, None, None
 
 
@@ -484,11 +505,12 @@ def _move_tokens(
     """Copy the kept tokens into a fresh output and all-to-all-v the others, staging only where order changes."""
     rows = _as_rows(input_, seq_dim)
     before, _, after = rows.shape
-    tokens = rows.view(-1, after) if before == 1 else rows.transpose(0, 1)
+    tokens = rows.view(rows.shape[1], after) if before == 1 else rows.transpose(0, 1)
     token_shape = tokens.shape[1:]
     dtype, device = input_.dtype, input_.device
     output = torch.empty(_resized(input_.shape, seq_dim, output_length), dtype=dtype, device=device)
-    placed = output.view(-1, after) if before == 1 else output.view(before, output_length, after).transpose(0, 1)
+    placed = output.view(before, output_length, after)
+    placed = placed[0] if before == 1 else placed.transpose(0, 1)
     moves.kept.apply(placed, tokens)
     if before == 1 and moves.send_run is not None:
         send = tokens.narrow(0, moves.send_run, moves.send_count)
@@ -518,7 +540,9 @@ class _THDRedistribution(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
-        grad_input = _convert_tokens(grad_output, ctx.plan, not ctx.to_zigzag, ctx.group, ctx.seq_dim, ctx.own_rank)
+        """The inverse conversion, itself differentiable when the backward builds a graph (``create_graph``)."""
+        to_zigzag = not ctx.to_zigzag
+        grad_input = redistribute_tokens(grad_output, ctx.plan, to_zigzag, ctx.group, ctx.seq_dim, ctx.own_rank)
         return grad_input, None, None, None, None, None
 
 
