@@ -84,7 +84,8 @@ class _AllToAllV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
-        grad_input = _all_to_all_v(grad_output, ctx.input_split_sizes, ctx.output_split_sizes, ctx.group)
+        """The inverse all-to-all-v, itself differentiable when the backward builds a graph (``create_graph``)."""
+        grad_input = all_to_all_v(grad_output, ctx.input_split_sizes, ctx.output_split_sizes, ctx.group)
         return grad_input, None, None, None
 
 
@@ -180,11 +181,9 @@ class _AllGatherStack(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
-        grad_output = grad_output.contiguous()
-        received = torch.empty_like(grad_output)
-        _sent(grad_output.numel() * grad_output.element_size() * (grad_output.shape[0] - 1) // grad_output.shape[0])
-        dist.all_to_all_single(received, grad_output, group=ctx.group)
-        return received.sum(0), None
+        """Each rank's slice of every rank's gradient, summed: differentiable again under ``create_graph``."""
+        slices = [1] * grad_output.shape[0]
+        return all_to_all_v(grad_output, slices, slices, ctx.group).sum(0), None
 
 
 def all_gather_stack(input_: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
