@@ -40,6 +40,16 @@ def test_without_cp_it_is_the_mean_over_valid_tokens() -> None:
     assert not result.mean.requires_grad
 
 
+def test_int32_labels_give_the_int64_loss_in_both_losses() -> None:
+    """Labels of int32 (shifted from int32 token ids) are targets like int64 ones, for the whole and chunked loss."""
+    features, weight, labels = problem()
+    count = int((labels != -100).sum())
+    expected = cp_cross_entropy(features @ weight, labels, count).loss
+    assert cp_cross_entropy(features @ weight, labels.int(), count).loss.item() == expected.item()
+    chunked = cp_chunked_cross_entropy(features, lambda h: h @ weight, labels.int(), count, chunk_tokens=5).loss
+    assert torch.allclose(chunked, expected, rtol=1e-12, atol=0)
+
+
 def test_an_all_ignored_batch_gives_zero_not_nan() -> None:
     """Zero valid targets: the loss is 0 and finite."""
     logits = torch.randn(1, 3, VOCAB, dtype=torch.float64)
