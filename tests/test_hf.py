@@ -265,7 +265,7 @@ def test_a_sliding_window_no_document_outgrows_is_exact_and_a_binding_one_refuse
     loss, _ = HFCausalLM(model)._loss(dict(batches[0]))
     torch.testing.assert_close(loss.mean, expected, rtol=1e-10, atol=0)
     model.config.sliding_window = longest - 1
-    with pytest.raises(ValueError, match=f"sliding_window={longest - 1} over a document of {longest} tokens"):
+    with pytest.raises(ValueError, match=f"window of {longest - 1} tokens .*over a document of {longest} tokens"):
         HFCausalLM(model)._loss(dict(batches[0]))
 
 
@@ -279,6 +279,95 @@ def test_what_cannot_be_exact_is_refused():
     several = {"input_ids": torch.ones(2, 4, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 0, 1]] * 2)}
     with pytest.raises(ValueError, match="several documents share a row"):
         HFCausalLM(tiny_model("llama"))._loss(several)
+
+
+def _llama4(**fields: Any) -> transformers.PretrainedConfig:
+    return transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, intermediate_size_mlp=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
+        interleave_moe_layer_step=1, max_position_embeddings=256, **fields,
+    )  # fmt: skip
+
+
+INEXACT = {  # a model feature the "lightning_cp" attention cannot reproduce on a packed or spread row, and its error
+    "gpt_oss sinks": (
+        lambda: transformers.GptOssConfig(
+            **SMALL, head_dim=8, num_local_experts=2, num_experts_per_tok=1, sliding_window=256
+        ),
+        "attention sinks",
+    ),
+    "qwen2_moe mask-only window": (
+        lambda: transformers.Qwen2MoeConfig(
+            **SMALL, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=2, num_experts_per_tok=1,
+            use_sliding_window=True, sliding_window=4, max_window_layers=2,
+        ),
+        "local window of 4 tokens",
+    ),
+    "llama4 attention chunks": (
+        lambda: _llama4(attention_chunk_size=4, attn_temperature_tuning=False, no_rope_layers=[1, 0]),
+        "window of 4 tokens",
+    ),
+    "llama4 temperature": (
+        lambda: _llama4(attention_chunk_size=None, attn_temperature_tuning=True, no_rope_layers=[1, 0]),
+        "attn_temperature_tuning on NoPE layers",
+    ),
+    "lfm2 convolutions": (
+        lambda: transformers.Lfm2Config(
+            **SMALL, layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False
+        ),
+        "layers of type conv from its row's own token order, which a packed batch breaks",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(INEXACT))
+def test_a_model_feature_that_cannot_be_exact_is_refused(case):
+    """Attention sinks, local windows only the mask carries, Llama 4's NoPE temperature and non-attention token
+    mixers (hybrid models) would train silently wrong on a packed (or, at cp > 1, spread) row: each is refused."""
+    config, named = INEXACT[case]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config()).double()
+    with pytest.raises(ValueError, match=named):
+        HFCausalLM(model)._loss(dict(make_batches("packed", 1)[0][0]))
+
+
+def _hybrid_model_at_cp2() -> None:
+    os.environ["WORLD_SIZE"] = "2"
+    batches, _ = make_batches("dense", 1)
+    torch.manual_seed(0)
+    config = transformers.Lfm2Config(**SMALL, layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False)
+    module = SGDCausalLM(transformers.AutoModelForCausalLM.from_config(config).double())
+    trainer = pl.Trainer(devices=2, strategy=CPZigzagStrategy(), max_steps=1, use_distributed_sampler=False,
+                         **TRAINER_OPTIONS)  # fmt: skip
+    trainer.fit(module, DataLoader(batches, batch_size=None))
+
+
+def test_a_hybrid_model_at_cp2_fails_on_every_rank():
+    assert_same_error_on_every_rank(
+        _hybrid_model_at_cp2, 2, match="layers of type conv from its row's own token order, which cp=2 breaks",
+        error_type="ValueError", init_process_group=False,
+    )  # fmt: skip
+
+
+def test_what_hybrid_and_alibi_models_can_do_is_kept_and_the_rest_refused():
+    """A hybrid model still trains one document per row at cp=1 (as the unmodified model does); ALiBi is refused at
+    construction, and a soft-capped or scaled head with a chunked loss by its config, however small the logits."""
+    torch.manual_seed(0)
+    config = transformers.Lfm2Config(**SMALL, layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False)
+    hybrid = transformers.AutoModelForCausalLM.from_config(config).double()
+    document = make_batches("packed", 1)[1][0][0]
+    reference = F.cross_entropy(hybrid(torch.tensor([document])).logits[0, :-1], torch.tensor(document[1:]))
+    loss, _ = HFCausalLM(hybrid)._loss({"input_ids": torch.tensor([document])})
+    torch.testing.assert_close(loss.mean, reference, rtol=1e-10, atol=0)
+    falcon = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    falcon.alibi = True
+    with pytest.raises(ValueError, match="FalconForCausalLM uses ALiBi"):
+        HFCausalLM(transformers.AutoModelForCausalLM.from_config(falcon))
+    capped = transformers.Gemma2Config(**SMALL, head_dim=8, final_logit_softcapping=30.0, attn_logit_softcapping=None)
+    with pytest.raises(ValueError, match=r"final_logit_softcapping=30.0\), so logits made chunk by chunk"):
+        HFCausalLM(transformers.AutoModelForCausalLM.from_config(capped), loss_chunk_tokens=4)._loss(
+            dict(make_batches("packed", 1)[0][0])
+        )
 
 
 class _ScaledLogitsLlama(transformers.LlamaForCausalLM):

@@ -43,6 +43,7 @@ def lightning_cp_attention(
         f"dropout={dropout}": bool(dropout) and module.training,
         f"softcap={kwargs.get('softcap')}": kwargs.get("softcap") is not None,
         f"sliding_window={window} over a document of {longest} tokens": window is not None and longest > window,
+        "attention sinks": kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None,
     }
     problems = [what for what, present in unsupported.items() if present]
     if problems:
@@ -64,14 +65,54 @@ def _longest_document(local_length: int) -> int:
     return packed.max_seqlen_q if packed is not None else step.sequence_length
 
 
-def _no_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
-    """Mask function of ``"lightning_cp"``: no mask (documents come from the step); padding masks are an error."""
+def _no_mask(
+    *args: Any, attention_mask: torch.Tensor | None = None, local_size: int | None = None, **kwargs: Any
+) -> None:
+    """Mask function of ``"lightning_cp"``: no mask (documents come from the step); padding masks are an error, and so
+    is a local window (a sliding window only the mask carries, chunked attention) that a document outgrows."""
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         raise ValueError("attention_mask masks tokens out (padding); pack documents into one row instead")
+    longest = _longest_document(kwargs.get("kv_length", 0))
+    if local_size is not None and longest > local_size:
+        raise ValueError(
+            f"attention_implementation='{ATTENTION_NAME}' cannot compute a local window of {local_size} tokens "
+            f"(sliding_window or attention_chunk_size) over a document of {longest} tokens exactly; turn it off in "
+            "the model config or keep documents within it"
+        )
 
 
 AttentionInterface.register(ATTENTION_NAME, lightning_cp_attention)
 AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+
+_TOKEN_WISE_LAYER_TYPES = frozenset(
+    {"full_attention", "sliding_attention", "chunked_attention", "attention", "moe", "mlp"}
+)
+"""Layer types of Hugging Face configs whose token mixing is attention alone (or none)."""
+
+
+def _row_order_problems(config: Any) -> list[str]:
+    """What a model computes from its row's own token order, so wrongly once a step spreads a document over ranks
+    or packs several into a row: layers that mix tokens without attention (convolutions, state-space and linear
+    attention layers of hybrid models) and Llama 4's attention temperature on its NoPE layers (from row positions)."""
+    text = config.get_text_config()
+    layer_types = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None) or ()
+    others = sorted({str(kind) for kind in layer_types} - _TOKEN_WISE_LAYER_TYPES)
+    problems = [f"layers of type {', '.join(others)}"] if others else []
+    if getattr(text, "attn_temperature_tuning", False) and 0 in (getattr(text, "no_rope_layers", None) or ()):
+        problems.append("attn_temperature_tuning on NoPE layers")
+    return problems
+
+
+def _logit_changes(config: Any) -> list[str]:
+    """The config fields, set, by which a model's forward changes its logits after the output projection (Gemma 2/3's
+    soft-capping, Cohere's and Granite's scales)."""
+    text = config.get_text_config()
+    softcap = getattr(text, "final_logit_softcapping", None)
+    changes = [] if softcap is None else [f"final_logit_softcapping={softcap}"]
+    for field in ("logit_scale", "logits_scaling"):
+        if (scale := getattr(text, field, None)) not in (None, 1):
+            changes.append(f"{field}={scale}")
+    return changes
 
 
 class HFCausalLM(CausalLMModule):
@@ -118,6 +159,10 @@ class HFCausalLM(CausalLMModule):
         else:
             model = model_or_path
             model.set_attn_implementation(ATTENTION_NAME)
+        if getattr(model.config.get_text_config(), "alibi", False):
+            raise ValueError(
+                f"{type(model).__name__} uses ALiBi position biases, which the '{ATTENTION_NAME}' attention cannot add"
+            )
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.model = model
@@ -142,13 +187,24 @@ class HFCausalLM(CausalLMModule):
         return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
 
     def _check_attention(self) -> None:
-        """Refuse a CP step with a model switched away from the ``"lightning_cp"`` attention."""
+        """Refuse a CP step with a model switched away from the ``"lightning_cp"`` attention, and a step that spreads
+        documents over ranks or packs them for a model that computes from its row's token order."""
         step = active_step()
+        if step is None:
+            return
         implementation = self.model.config._attn_implementation
-        if step is not None and step.cp_size > 1 and implementation != ATTENTION_NAME:
+        if step.cp_size > 1 and implementation != ATTENTION_NAME:
             raise RuntimeError(
                 f"cp={step.cp_size} but the model's attn_implementation is {implementation!r}, not "
                 f"{ATTENTION_NAME!r}: the forward would make no cp_attention call and attend within each shard only"
+            )
+        packed = step.contiguous_packed_seq_params is not None
+        problems = _row_order_problems(self.model.config) if step.cp_size > 1 or packed else []
+        if problems:
+            raise ValueError(
+                f"{type(self.model).__name__} computes {' and '.join(problems)} from its row's own token order, which "
+                f"{f'cp={step.cp_size}' if step.cp_size > 1 else 'a packed batch'} breaks; train it at cp=1 on one "
+                "document per row"
             )
 
     @override
@@ -175,6 +231,12 @@ class HFCausalLM(CausalLMModule):
         name = type(model).__name__
         if model.base_model is model or model.get_output_embeddings() is None:
             raise ValueError(f"loss_chunk_tokens needs a decoder and an output projection, which {name} does not name")
+        changes = _logit_changes(model.config)
+        if changes:
+            raise ValueError(
+                f"loss_chunk_tokens: {name}'s forward changes its logits after the output projection "
+                f"({', '.join(changes)}), so logits made chunk by chunk would differ: set loss_chunk_tokens=0"
+            )
         positions = torch.arange(self._PROBE_TOKENS, device=device).unsqueeze(0)
         ids = positions.remainder(model.config.vocab_size)
         modes = {module: module.training for module in model.modules()}  # frozen parts may sit in eval mode
