@@ -176,3 +176,41 @@ def test_evaluation_starts_from_rank_0_weights_and_the_module_gets_the_mesh() ->
             mesh = {"names": ("data_parallel", "context_parallel", "tensor_parallel"), "shape": (1, 2, 2)}
             assert result[stage]["mesh"] == mesh, stage
         assert [result[stage]["stamps"] for result in results] == [(0.0, 0.0), (0.0, 1.0)] * 2, stage
+
+
+class SchedulerStepped(TinyTransformer):
+    """Plain SGD (no per-parameter state) whose learning rate a scheduler halves every step; records the rates."""
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.rates = [*getattr(self, "rates", []), self.trainer.optimizers[0].param_groups[0]["lr"]]
+
+
+def learning_rates_after_resume(strategy: dict[str, Any], directory: str) -> tuple[list[float], list[float]]:
+    """The rates of a two-epoch run's second epoch, uninterrupted and resumed from the first epoch's checkpoint."""
+    os.environ["WORLD_SIZE"] = "2"
+
+    def fit(name: str, ckpt_path: str | None) -> list[float]:
+        checkpoint = pl.callbacks.ModelCheckpoint(dirpath=f"{directory}/{name}", save_top_k=-1, filename="{epoch}")
+        options = {**TRAINER_OPTIONS, "enable_checkpointing": True}
+        trainer = pl.Trainer(devices=2, strategy=CPZigzagStrategy(**strategy), max_epochs=2,
+                             callbacks=[ContextParallelLayoutCallback(**POLICY), checkpoint], **options)  # fmt: skip
+        model = SchedulerStepped(ATTENTION)
+        trainer.fit(model, DataLoader(packed_batches(3), batch_size=None), ckpt_path=ckpt_path)
+        return model.rates
+
+    uninterrupted = fit("first", None)[3:]
+    return uninterrupted, fit("resumed", f"{directory}/first/epoch=0.ckpt")
+
+
+def test_a_stateless_optimizer_resumes_with_its_scheduled_learning_rate(tmp_path: Path) -> None:
+    """Plain SGD has no per-parameter state, so its checkpoint holds only its groups: their learning rate, which the
+    scheduler set, comes back (before, the resumed epoch ran at the initial rate, 8x too large)."""
+    for index, strategy in enumerate([{}, {"data_parallel": "fsdp", "save_distributed_checkpoint": True}]):
+        uninterrupted, resumed = run_on_ranks(learning_rates_after_resume, 2, strategy, str(tmp_path / str(index)),
+                                              init_process_group=False, timeout=180)[0]  # fmt: skip
+        assert uninterrupted == resumed == [0.2 * 0.5**step for step in (3, 4, 5)], (strategy, resumed)

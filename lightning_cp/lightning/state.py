@@ -62,11 +62,25 @@ def load_model_state(module: nn.Module, state: Mapping[str, Any], strict: bool =
 
 def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
     """Load a full optimizer state (keyed by parameter name, or by index as ``Optimizer.state_dict`` writes it); one
-    saved before the first step holds nothing to load."""
+    without per-parameter state (saved before the first step, or of a stateless optimizer such as plain SGD) holds
+    only its groups' settings, a scheduler's learning rate among them."""
     if not state["state"]:
+        _load_group_settings(optimizer, state["param_groups"])
         return
     state = _keyed_by_name(module, optimizer, state)
     set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def _load_group_settings(optimizer: torch.optim.Optimizer, saved_groups: Sequence[Mapping[str, Any]]) -> None:
+    """Set each parameter group's settings (``lr``, ``momentum``, ...) to the saved group's, in order, as
+    ``Optimizer.load_state_dict`` does."""
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"the checkpoint's optimizer has {len(saved_groups)} parameter groups, this one "
+            f"{len(optimizer.param_groups)}"
+        )
+    for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+        group.update({key: value for key, value in saved.items() if key != "params"})
 
 
 def _keyed_by_name(module: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> dict[str, Any]:
@@ -146,7 +160,10 @@ def load_distributed(
     for index, optimizer in enumerate(optimizers):
         key = f"optimizer_{index}"
         if not any(name.startswith(f"{key}.state.") for name in saved):
-            continue  # saved before its first step (``optimizer_state``): no state to restore, it starts afresh
+            groups = {key: optimizer_state(module, optimizer, full=False)}  # no per-parameter state: the settings
+            dcp.load(groups, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+            _load_group_settings(optimizer, groups[key]["param_groups"])
+            continue
         if missing:
             raise RuntimeError(
                 f"checkpoint folder {path} lacks weights of this module ({missing[:5]}), so its optimizer state "
