@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_cp import ContextParallelRuntime, ContextParallelSetting, LayerPolicy
+from lightning_cp import ContextParallelRuntime, ContextParallelSetting, LayerPolicy, cp_cross_entropy
 from lightning_cp.core.mesh import ParallelDims, build_context_parallel_mesh
 from lightning_cp.core.step import active_step
-from tests.distributed_harness import run_on_ranks
+from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
 from tests.model_helpers import HYBRID, LEARNING_RATE, POLICY, TinyTransformer, packed_batches, reference_run
 
 STEPS = 3
@@ -100,3 +100,87 @@ def test_a_side_input_that_is_not_per_token_is_an_error():
     with runtime.step(dict(batch)):
         cos_sin = (torch.zeros(1, 4, 2), torch.ones(1, 4, 2))
         assert model.block(torch.zeros(1, 4, 2), extra=cos_sin).shape == (1, 4, 2)
+
+
+def _runtime(cp: int) -> tuple[TinyTransformer, ContextParallelRuntime]:
+    """A seeded model wrapped by a runtime over a CP group of ``cp`` ranks."""
+    mesh = build_context_parallel_mesh("cpu", ParallelDims(1, cp, 1))
+    torch.manual_seed(0)
+    model = TinyTransformer(HYBRID).double()
+    runtime = ContextParallelRuntime(ContextParallelSetting(mesh), LayerPolicy(**POLICY))
+    runtime.wrap(model)
+    return model, runtime
+
+
+def _mean_loss(model: TinyTransformer, batch: dict) -> float:
+    logits = model(batch["input_ids"], batch["position_ids"])
+    return float(cp_cross_entropy(logits, batch["labels"], batch["loss_token_count"]).mean)
+
+
+def _nested_steps() -> list[float]:
+    """The student's loss with a teacher's step (another runtime), then this runtime's own, begun and ended inside the
+    student's step block, and with none."""
+    student, runtime = _runtime(2)
+    teacher, teacher_runtime = _runtime(2)
+    ids = (torch.arange(16).view(1, 16) * 7) % 32
+    losses = []
+    for inner_model, inner_runtime in ((teacher, teacher_runtime), (student, runtime), (None, None)):
+        batch = {"input_ids": ids.clone()}
+        with runtime.step(batch) as outer:
+            if inner_runtime is not None:
+                inner_batch = {"input_ids": ids.clone()}
+                with inner_runtime.step(inner_batch):
+                    _mean_loss(inner_model, inner_batch)
+                assert active_step() is outer, "the outer step is active again"
+            losses.append(_mean_loss(student, batch))
+    dist.barrier()
+    return losses
+
+
+def test_a_step_nested_in_another_leaves_the_outer_one_active():
+    """Teacher and student, or a step of the same runtime inside its own block: the outer model's loss afterwards is
+    what it is without the inner step (before, the outer forward went on without CP: a different loss per rank)."""
+    for losses in run_on_ranks(_nested_steps, 2, timeout=120):
+        assert losses[0] == losses[1] == losses[2], losses
+
+
+def _batch_differing_in(field: str) -> None:
+    """Run a step whose batch differs between the two ranks only in ``field``'s values."""
+    _, runtime = _runtime(2)
+    rank = dist.get_rank()
+    ids = (torch.arange(16).view(1, 16) * 7) % 32
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if field == "labels":
+        batch["labels"][0, 3] = rank
+    elif field == "attention_mask":
+        batch["attention_mask"] = torch.ones(1, 16, dtype=torch.long)
+        batch["attention_mask"][0, -1] = rank
+    with runtime.step(batch):
+        pass
+
+
+@pytest.mark.parametrize("field", ["labels", "attention_mask"])
+def test_a_batch_differing_between_ranks_in_values_fails_on_every_rank(field: str) -> None:
+    """Same shapes, different label values or masks: the same error on every rank, before any collective."""
+    named = "token and label values" if field == "labels" else "attention_mask"
+    assert_same_error_on_every_rank(_batch_differing_in, 2, field, match=f"different {named}")
+
+
+@pytest.mark.parametrize(
+    ("batch", "message"),
+    [
+        ({"input_ids": torch.zeros(1, 0, dtype=torch.long)}, "at least one token"),
+        ({"input_ids": torch.zeros(1, 4, dtype=torch.long), "cu_seqlens": [0, 4]}, "got a list"),
+    ],
+)
+def test_an_empty_batch_or_offsets_that_are_not_a_tensor_are_refused(batch: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ContextParallelRuntime(ContextParallelSetting()).begin_step(dict(batch))
+
+
+def test_labels_none_means_the_input_ids():
+    runtime = ContextParallelRuntime(ContextParallelSetting())
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    batch = {"input_ids": ids, "labels": None}
+    with runtime.step(batch):
+        assert batch["labels"].tolist() == [[1, 4, 1, 5, -100]]

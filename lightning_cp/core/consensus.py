@@ -20,7 +20,7 @@ from lightning_cp.core import comm
 def _code(value: Any) -> int:
     """The same integer on every process for the same value: a host tensor by its content, else by its text."""
     if isinstance(value, torch.Tensor):
-        data = value.detach().contiguous().numpy().tobytes() + str(value.dtype).encode()
+        data = value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() + str(value.dtype).encode()
     else:
         data = repr(value).encode()
     return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")

@@ -103,6 +103,18 @@ def _converted_side_input(step: ContextParallelStep, name: str, value: Any, layo
     )
 
 
+def _values_checksum(input_ids: Any, labels: Any) -> int:
+    """One integer of the token ids' and labels' values (position-weighted), so that ranks given the same shapes but
+    different tokens disagree; a single device reduction and one host read."""
+    total = 0
+    for tensor in (input_ids, labels):
+        if isinstance(tensor, torch.Tensor) and tensor.numel():
+            values = tensor.reshape(-1).long()
+            weights = torch.arange(values.numel(), device=values.device).remainder_(65521).add_(1)
+            total = total * 1_000_003 + int(((values + 101) * weights).sum())
+    return total
+
+
 class ContextParallelRuntime:
     """Shard every replica batch over the CP ranks and run the policy's layers in the layouts they need.
 
@@ -178,6 +190,9 @@ class ContextParallelRuntime:
         for name in ("cu_seqlens", "cu_seq_lens_q", "position_ids"):
             value = batch.get(name)
             fields[name] = host_copies(value)[0] if isinstance(value, torch.Tensor) else repr(value)
+        mask = batch.get("attention_mask")
+        fields["attention_mask"] = (tensor_description(mask), isinstance(mask, torch.Tensor) and bool(mask.all()))
+        fields["token and label values"] = _values_checksum(batch.get("input_ids"), batch.get("labels"))
         require_agreement("the replica batch", fields, group)
 
     def end_step(self) -> None:
@@ -188,12 +203,16 @@ class ContextParallelRuntime:
 
     @contextmanager
     def step(self, batch: MutableMapping[str, Any]) -> Iterator[ContextParallelStep]:
-        """Shard ``batch`` and keep its step active inside the block: run forward and backward there."""
+        """Shard ``batch`` and keep its step active inside the block: run forward and backward there. A step begun
+        inside another's block (another runtime's, or this one's) ends with the outer step active again."""
+        outer = active_step()
         step, _ = self.begin_step(batch)
         try:
             yield step
         finally:
             self.end_step()
+            if outer is not None:
+                set_active_step(outer)
 
     def _batch_fields(self, step: ContextParallelStep, sharded: ShardedBatch) -> dict[str, Any]:
         """Return the batch entries the step sees, in the boundary layout."""

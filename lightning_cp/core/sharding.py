@@ -66,8 +66,9 @@ def validate_replica_batch(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | 
     if "input_ids" not in batch:
         raise ValueError(f"a batch needs 'input_ids'; got keys {sorted(batch)}")
     input_ids = batch["input_ids"]
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [B, S]; got shape {tuple(input_ids.shape)}")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be [B, S], a tensor of at least one token; got {shape}")
     labels = batch.get("labels")
     if labels is not None and labels.shape != input_ids.shape:
         raise ValueError(f"labels shape {tuple(labels.shape)} differs from input_ids shape {tuple(input_ids.shape)}")
@@ -80,6 +81,8 @@ def validate_replica_batch(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | 
     cu_seqlens = batch.get("cu_seqlens", batch.get("cu_seq_lens_q"))
     if cu_seqlens is None:
         return _documents_from_position_ids(batch.get("position_ids"), input_ids)
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor of n + 1 offsets; got a {type(cu_seqlens).__name__}")
     if input_ids.shape[0] != 1:
         raise ValueError(f"a packed batch has batch size 1; got input_ids shape {tuple(input_ids.shape)}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
@@ -136,7 +139,7 @@ def shard_replica_batch(
     """
     host_offsets = validate_replica_batch(batch)
     input_ids = batch["input_ids"]
-    labels = batch.get("labels", input_ids)
+    labels = input_ids if batch.get("labels") is None else batch["labels"]
     batch_size, sequence_length = input_ids.shape
     multiple = contiguous_padding_multiple(cp_size, tp_size, packed=host_offsets is not None)
     padded_sequence_length = padded_length(sequence_length, multiple)
