@@ -76,3 +76,23 @@ def test_predictions_are_the_whole_sequence_on_every_rank(
         for got, expected in zip(predictions, reference, strict=True):
             assert got.shape == expected.shape, f"rank {rank}"
             np.testing.assert_allclose(got, expected, rtol=0, atol=1e-10, err_msg=f"rank {rank}")
+
+
+def validation_loss(world_size: int) -> float:
+    """The built-in model's ``val_loss`` over two batches of 2 and 3 targets, at dp = world size (cp 1)."""
+    os.environ["WORLD_SIZE"] = str(world_size)
+    torch.manual_seed(0)
+    model = LlamaLM(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64).double()
+    batches = [{"input_ids": torch.tensor([[5, 6, 7]])}, {"input_ids": torch.tensor([[8, 9, 10, 11]])}]
+    strategy = CPZigzagStrategy(context_parallel_size=1) if world_size > 1 else "auto"
+    trainer = pl.Trainer(devices=world_size, strategy=strategy, **TRAINER_OPTIONS)
+    return trainer.validate(model, DataLoader(batches, batch_size=None), verbose=False)[0]["val_loss"]
+
+
+@pytest.mark.timeout(120)
+def test_validation_loss_over_replicas_is_one_devices():
+    """Each replica validates one batch: the token-weighted mean over 5 targets is one device's (before, Lightning's
+    mean sync of an integer count truncated 5 / 2 and the loss came out 1.25x)."""
+    (expected,) = run_on_ranks(validation_loss, 1, 1, init_process_group=False, timeout=100)
+    for loss in run_on_ranks(validation_loss, 2, 2, init_process_group=False, timeout=100):
+        assert abs(loss - expected) <= 1e-6 * abs(expected), (loss, expected)

@@ -86,7 +86,8 @@ class CausalLMModule(pl.LightningModule):
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Log the validation loss, weighted by each batch's number of target tokens."""
         out, count = self._loss(batch)
-        self.log("val_loss", out.mean, prog_bar=True, sync_dist=True, batch_size=count)
+        # a float count: Lightning syncs the summed batch sizes with a mean, which would truncate an integer sum
+        self.log("val_loss", out.mean, prog_bar=True, sync_dist=True, batch_size=float(count))
 
     @override
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
