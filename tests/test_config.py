@@ -42,6 +42,8 @@ def test_defaults_then_file_then_overrides(tmp_path) -> None:
         (["model.hiden_size=64"], r"unknown key 'model.hiden_size'.*allowed keys in model: vocab_size, hidden_size"),
         (["modle.hidden_size=64"], r"unknown key 'modle'.*allowed keys in top level: seed, run, model"),
         (["model.hidden_size=big"], r"model.hidden_size: got 'big'.*expected a value of type int"),
+        (["data.sources=[null]"], r"data.sources\[0\]: got 'None'; expected a value of type str"),
+        (["optim.betas=[0.9,abc]"], r"optim.betas\[1\]: got 'abc'; expected a value of type float"),
         (["model.tie_embeddings=perhaps"], r"model.tie_embeddings: got 'perhaps'.*type bool"),
         (["strategy.context_parallel_size=two"], r"strategy.context_parallel_size: got 'two'.*int or null"),
         (

@@ -250,11 +250,14 @@ def _schema_node(full_key: str) -> tuple[type | None, str]:
 
 
 def _describe(full_key: str) -> str:
-    """Describe what ``full_key`` accepts: its choices, or its declared type."""
-    holder, leaf = _schema_node(full_key)
+    """Describe what ``full_key`` accepts: its choices, or its declared type (an item's, for ``key[i]``)."""
+    field_key = full_key.split("[", 1)[0]
+    holder, leaf = _schema_node(field_key)
     if holder is None:
         return "a value"
     hint = typing.get_type_hints(holder)[leaf]
+    if field_key != full_key and typing.get_args(hint):
+        hint = typing.get_args(hint)[0]
     optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
     if optional:
         hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
