@@ -33,6 +33,18 @@ def tensor_description(tensor: Any) -> str:
     return f"{tuple(tensor.shape)} {tensor.dtype} grad={tensor.requires_grad}"
 
 
+def values_checksum(*tensors: Any) -> int:
+    """One integer of the tensors' values, weighted by position, so that ranks given tensors of the same shapes but
+    other values (token ids, labels) disagree; one device reduction and one host read per tensor."""
+    total = 0
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.numel():
+            values = tensor.reshape(-1).long()
+            weights = torch.arange(values.numel(), device=values.device).remainder_(65521).add_(1)
+            total = total * 1_000_003 + int(((values + 101) * weights).sum())
+    return total
+
+
 def require_agreement(what: str, fields: Mapping[str, Any], group: ProcessGroup | None) -> None:
     """Raise the same ``ValueError`` on every rank of ``group`` when ``fields`` differ between them."""
     names = list(fields)

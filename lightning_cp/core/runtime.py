@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_cp.core import comm
-from lightning_cp.core.consensus import require_agreement, tensor_description
+from lightning_cp.core.consensus import require_agreement, tensor_description, values_checksum
 from lightning_cp.core.layout.api import ContextParallelLayoutManager
 from lightning_cp.core.packed import host_copies
 from lightning_cp.core.sharding import IGNORE_INDEX, ShardedBatch, shard_replica_batch
@@ -101,18 +101,6 @@ def _converted_side_input(step: ContextParallelStep, name: str, value: Any, layo
         f"side input {name!r} is a {type(value).__name__}; expected a per-token tensor [B, S_local, ...] or a "
         "tuple/list of them (remove it from side_inputs if it is not per-token)"
     )
-
-
-def _values_checksum(input_ids: Any, labels: Any) -> int:
-    """One integer of the token ids' and labels' values (position-weighted), so that ranks given the same shapes but
-    different tokens disagree; a single device reduction and one host read."""
-    total = 0
-    for tensor in (input_ids, labels):
-        if isinstance(tensor, torch.Tensor) and tensor.numel():
-            values = tensor.reshape(-1).long()
-            weights = torch.arange(values.numel(), device=values.device).remainder_(65521).add_(1)
-            total = total * 1_000_003 + int(((values + 101) * weights).sum())
-    return total
 
 
 class ContextParallelRuntime:
@@ -192,7 +180,7 @@ class ContextParallelRuntime:
             fields[name] = host_copies(value)[0] if isinstance(value, torch.Tensor) else repr(value)
         mask = batch.get("attention_mask")
         fields["attention_mask"] = (tensor_description(mask), isinstance(mask, torch.Tensor) and bool(mask.all()))
-        fields["token and label values"] = _values_checksum(batch.get("input_ids"), batch.get("labels"))
+        fields["token and label values"] = values_checksum(batch.get("input_ids"), batch.get("labels"))
         require_agreement("the replica batch", fields, group)
 
     def end_step(self) -> None:

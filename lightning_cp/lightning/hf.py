@@ -72,8 +72,7 @@ def _no_mask(
     is a local window (a sliding window only the mask carries, chunked attention) that a document outgrows."""
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         raise ValueError("attention_mask masks tokens out (padding); pack documents into one row instead")
-    longest = _longest_document(kwargs.get("kv_length", 0))
-    if local_size is not None and longest > local_size:
+    if local_size is not None and (longest := _longest_document(kwargs.get("kv_length", 0))) > local_size:
         raise ValueError(
             f"attention_implementation='{ATTENTION_NAME}' cannot compute a local window of {local_size} tokens "
             f"(sliding_window or attention_chunk_size) over a document of {longest} tokens exactly; turn it off in "
