@@ -178,6 +178,12 @@ def fit_with_bad_setup(world_size: int, case: str) -> None:
             fully_shard(model.model, mesh=model.device_mesh["data_parallel"])
 
         model.configure_model = shard_over_data_parallel  # type: ignore[method-assign]
+    elif case == "a step that fails under fsdp":
+        model = RecordingLM(num_heads=3, num_kv_heads=3)
+        strategy = {**FSDP, "attention_mode": "ulysses"}
+    elif case == "sequence parallel over plain parameters":
+        model.configure_model = lambda: None  # type: ignore[method-assign]
+        strategy = {**FSDP, "context_parallel_size": 1, "tensor_parallel_size": 2, "sequence_parallel": True}
     elif case == "fully_shard under ddp":
         from torch.distributed.fsdp import fully_shard
 
@@ -193,10 +199,13 @@ def fit_with_bad_setup(world_size: int, case: str) -> None:
         ("tp does not divide the heads", 3, "tensor_parallel_size=3 does not divide model.num_heads=4"),
         ("sharded over the data-parallel axis only", 2, "is sharded over mesh dimensions ('data_parallel',)"),
         ("fully_shard under ddp", 2, "configure_model applied fully_shard (to 'model') but data_parallel='ddp'"),
+        ("a step that fails under fsdp", 2, "attention_mode='ulysses' splits the 3 query heads over 2 ranks"),
+        ("sequence parallel over plain parameters", 2, "needs every parameter as a DTensor on the tensor-parallel"),
     ],
 )
 def test_bad_setups_give_the_same_error_on_every_rank(case: str, world_size: int, match: str) -> None:
-    """A wrong TP size or a module sharded differently is one ``ValueError`` on every rank, no hang."""
+    """A wrong TP size, a module sharded differently or left plain under sequence parallelism is one ``ValueError`` on
+    every rank, no hang; so is an error in a step under FSDP (not FSDP's own error from moving the module after it)."""
     assert_same_error_on_every_rank(
         fit_with_bad_setup, world_size, world_size, case, match=match, init_process_group=False, timeout=120
     )

@@ -12,6 +12,8 @@ from lightning_cp.core import comm
 
 DATA_CONTEXT_PARALLEL = "data_context_parallel"
 """The flattened data x context dimension of the mesh: what FSDP shards over and gradients are averaged over."""
+TENSOR_PARALLEL = "tensor_parallel"
+"""The tensor-parallel dimension of the mesh (``self.device_mesh[TENSOR_PARALLEL]`` in ``configure_model``)."""
 
 
 @dataclass(frozen=True)
@@ -147,15 +149,15 @@ def build_context_parallel_mesh(device_type: str, dims: ParallelDims) -> Context
     ring = dims.context_parallel // dims.ulysses
     cp_dims = ("context_parallel",) if dims.ulysses == 1 else ("context_parallel_ring", "context_parallel_ulysses")
     cp_shape = (dims.context_parallel,) if dims.ulysses == 1 else (ring, dims.ulysses)
-    names = ("data_parallel", *cp_dims, "tensor_parallel")
+    names = ("data_parallel", *cp_dims, TENSOR_PARALLEL)
     device_mesh = comm.init_device_mesh(device_type, (dims.data_parallel, *cp_shape, dims.tensor_parallel), names)
     cp_group = comm.flattened_mesh_group(device_mesh, cp_dims, "context_parallel")
     return ContextParallelMesh(
         dims=dims,
         device_mesh=device_mesh,
         cp_group=cp_group,
-        tp_group=comm.flattened_mesh_group(device_mesh, ("tensor_parallel",)),
-        tp_cp_group=comm.flattened_mesh_group(device_mesh, (*cp_dims, "tensor_parallel")),
+        tp_group=comm.flattened_mesh_group(device_mesh, (TENSOR_PARALLEL,)),
+        tp_cp_group=comm.flattened_mesh_group(device_mesh, (*cp_dims, TENSOR_PARALLEL)),
         dp_group=comm.flattened_mesh_group(device_mesh, ("data_parallel",)),
         dp_cp_group=comm.flattened_mesh_group(device_mesh, ("data_parallel", *cp_dims), DATA_CONTEXT_PARALLEL),
         ulysses_group=None if dims.ulysses == 1 else device_mesh.get_group("context_parallel_ulysses"),

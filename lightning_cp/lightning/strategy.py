@@ -23,6 +23,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -30,6 +31,7 @@ from lightning_cp.core import comm
 from lightning_cp.core.attention.api import MODES, AttentionMode
 from lightning_cp.core.attention.cost import choose_attention_mode, model_head_counts
 from lightning_cp.core.mesh import (
+    TENSOR_PARALLEL,
     ContextParallelMesh,
     build_context_parallel_mesh,
     check_ulysses_size,
@@ -252,6 +254,8 @@ class CPZigzagStrategy(DDPStrategy):
         self.model_to_device()
         mesh = self.cp_mesh
         sharded = fsdp.check_wrapping(self.model, self.data_parallel, mesh.dims.data_parallel * mesh.cp_size)
+        if self.sequence_parallel and self.tensor_parallel_size > 1:
+            self._require_tensor_parallel_parameters()
         if self.tensor_parallel_size > 1 and str(self.precision_plugin.precision) == "16-mixed":
             raise ValueError(
                 "precision='16-mixed' with tensor_parallel_size > 1: the gradient scaler's inf check is not reduced "
@@ -270,6 +274,32 @@ class CPZigzagStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _require_tensor_parallel_parameters(self) -> None:
+        """Under sequence parallelism every parameter must live on the TP mesh: a plain one would see only its TP
+        rank's tokens (its gradient too) and drift apart, silently."""
+        for name, parameter in self.lightning_module.named_parameters():
+            mesh_names = parameter.device_mesh.mesh_dim_names if isinstance(parameter, DTensor) else None
+            if TENSOR_PARALLEL not in (mesh_names or ()):
+                raise ValueError(
+                    f"sequence_parallel=True needs every parameter as a DTensor on the tensor-parallel mesh (a "
+                    f"configure_model plan, replicated ones as SequenceParallel makes them), but {name!r} is not; "
+                    "apply a tensor-parallel plan to the whole model, or turn sequence_parallel off"
+                )
+
+    @override
+    def teardown(self) -> None:
+        """Under FSDP2, as Lightning's ``ModelParallelStrategy``: the module stays where it is, since moving it to the
+        CPU after a step that failed mid-forward (its parameters still gathered) would raise over that step's error."""
+        if self.data_parallel != "fsdp":
+            super().teardown()
+            return
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     def _shard(self, trainer: pl.Trainer) -> None:
         """Start every rank from global rank 0's weights (tensor-parallel shards from the DP x CP rank 0 holding the

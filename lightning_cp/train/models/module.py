@@ -9,6 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_cp.core.loss import CPLoss, cp_chunked_cross_entropy
+from lightning_cp.core.mesh import TENSOR_PARALLEL
 from lightning_cp.lightning.module import CausalLMModule
 from lightning_cp.train.models.llama import LlamaConfig, LlamaDecoder
 from lightning_cp.train.models.parallelize import apply_tensor_parallel
@@ -43,9 +44,9 @@ class LlamaLM(CausalLMModule):
     def configure_model(self) -> None:
         """Apply the decoder's tensor-parallel plan when the strategy's mesh has more than one TP rank (once)."""
         mesh = self.device_mesh
-        if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()):
+        if mesh is None or TENSOR_PARALLEL not in (mesh.mesh_dim_names or ()):
             return
-        tp_mesh = mesh["tensor_parallel"]
+        tp_mesh = mesh[TENSOR_PARALLEL]
         if tp_mesh.size() == 1 or isinstance(self.model.layers[0].attention.q_proj.weight, DTensor):
             return
         sequence_parallel = bool(getattr(self.trainer.strategy, "sequence_parallel", False))
