@@ -606,6 +606,26 @@ def group_modes(device: str) -> list[str]:
     return ["allgather", "ulysses", *(["ring"] if device == "cpu" else [])]
 
 
+def wait_for_group(processes: list[Any], results: Any, timeout: float) -> dict[int, Any]:
+    """Every rank's outcome by rank; a rank that died without reporting, or the deadline, ends the wait at once."""
+    outcomes: dict[int, Any] = {}
+    deadline = time.perf_counter() + timeout
+    while len(outcomes) < len(processes):
+        try:
+            rank, outcome = results.get(timeout=5.0)
+        except queue.Empty:
+            dead = [rank for rank, process in enumerate(processes) if process.exitcode and rank not in outcomes]
+            if dead:
+                code = processes[dead[0]].exitcode
+                raise RuntimeError(f"group rank {dead[0]} died without reporting (exit code {code})") from None
+            if time.perf_counter() > deadline:
+                done = sorted(outcomes)
+                raise TimeoutError(f"the group did not finish within {timeout:.0f} s (ranks done: {done})") from None
+            continue
+        outcomes[rank] = outcome
+    return outcomes
+
+
 def launch_group(settings: Settings, timeout: float) -> list[list[dict]]:
     """Start the group's processes (spawned: this process may hold a CUDA context) and collect every rank's records."""
     context = mp.get_context("spawn")
@@ -619,15 +639,12 @@ def launch_group(settings: Settings, timeout: float) -> list[list[dict]]:
     ]
     for process in processes:
         process.start()
-    outcomes: dict[int, Any] = {}
-    deadline = time.perf_counter() + timeout
     try:
-        while len(outcomes) < settings.group_size:
-            rank, outcome = results.get(timeout=max(1.0, deadline - time.perf_counter()))
-            outcomes[rank] = outcome
-    except queue.Empty:
-        done = sorted(outcomes)
-        raise TimeoutError(f"the group did not finish within {timeout:.0f} s (ranks done: {done})") from None
+        outcomes = wait_for_group(processes, results, timeout)
+    except BaseException:
+        for process in processes:  # the others wait in a collective for the one that failed
+            process.kill()
+        raise
     finally:
         for process in processes:
             process.join(timeout=10)
@@ -1003,9 +1020,16 @@ def perf_workload(
     if budget.left() < 10:
         report.add("perf", workload, "SKIP", "time budget spent")
         return
-    step, reference = whole_sequence_step(settings, lengths, packed)
-    whole = median_time(step, settings)
-    del step
+    try:
+        step, reference = whole_sequence_step(settings, lengths, packed)
+        whole = median_time(step, settings)
+        del step
+    except Exception as error:  # noqa: BLE001 - the reference's failure (out of memory, say) ends only its workload
+        summary = report.raised("perf", f"{workload} whole sequence", error)
+        report.text("perf", f"| {workload} | - | - | - | - | - | - | FAIL: {summary} |")
+        if settings.device == "cuda":
+            torch.cuda.empty_cache()
+        return
     for cp in settings.perf_cps:
         geometry = geometry_of(lengths, cp, packed)
         problem = math_memory_problem(settings, geometry) if kernel == "math" else ""
@@ -1126,10 +1150,10 @@ def run_section(name: str, settings: Settings, report: Report, budget: Budget) -
     started = time.perf_counter()
     try:
         SECTION_FUNCTIONS[name](settings, report, budget)
-    except Exception as error:  # noqa: BLE001 - every failure becomes a line in the report
+        if settings.device == "cuda":
+            torch.cuda.empty_cache()  # the main job runs in another process on the same device
+    except Exception as error:  # noqa: BLE001 - every failure (a sticky CUDA error included) becomes a line
         report.raised(name, "section", error)
-    if settings.device == "cuda":
-        torch.cuda.empty_cache()  # the main job runs in another process on the same device
     print(f"gpu_check: section {name} done in {time.perf_counter() - started:.0f} s", flush=True)
 
 

@@ -107,3 +107,26 @@ def test_a_backend_that_raises_fails_its_rows_and_the_other_backends_still_repor
     assert all(status == "FAIL" and "no kernel image" in detail for status, detail in math_rows.values()), math_rows
     assert all(status == "PASS" for status, _ in flash_rows.values()), flash_rows
     assert "no kernel image for this device" in report.markdown() and report.failures
+
+
+class _Finished:
+    """A stand-in for a group process that has exited with ``exitcode``."""
+
+    def __init__(self, exitcode: int) -> None:
+        self.exitcode = exitcode
+
+
+def test_a_group_rank_that_dies_without_reporting_ends_the_wait(monkeypatch) -> None:
+    """The group waits for every rank's report; a rank that died (a crash, a kill) ends the wait within seconds
+    instead of at the group's timeout, and a report still on its way is taken."""
+    import queue
+
+    gpu_check = _load_script(monkeypatch)
+    reports = queue.Queue()
+    reports.put((0, ["rank 0's records"]))
+    with pytest.raises(RuntimeError, match=r"group rank 1 died without reporting \(exit code -9\)"):
+        gpu_check.wait_for_group([_Finished(0), _Finished(-9)], reports, timeout=600)
+    reports.put((1, ["rank 1's records"]))
+    reports.put((0, ["rank 0's records"]))
+    outcomes = gpu_check.wait_for_group([_Finished(0), _Finished(1)], reports, timeout=600)
+    assert outcomes == {0: ["rank 0's records"], 1: ["rank 1's records"]}
