@@ -137,6 +137,11 @@ def test_sampler_is_deterministic_splits_over_replicas_and_resumes() -> None:
     next_epoch = ResumableSampler(20, 2, seed=3, passes=2)
     next_epoch.set_epoch(1)
     assert list(resumed) == list(next_epoch) != full
+    long = ResumableSampler(20, 2, seed=3, passes=5)
+    one_stream = ResumableSampler(20, 2, seed=3, passes=5, follows_epochs=False)
+    one_stream.resume(epoch=0, samples=46, batches=3)
+    one_stream.set_epoch(1)  # Lightning's next epoch: the stream goes on
+    assert list(one_stream) == list(long)[46:] and len(one_stream) == 3 * 2 + 54
     with pytest.raises(ValueError, match="cannot fill"):
         ResumableSampler(3, 2, num_replicas=2)
 

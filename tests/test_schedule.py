@@ -305,11 +305,53 @@ def test_a_checkpoint_validated_first_leaves_a_fresh_fit_of_the_datamodule_fresh
 
 
 def test_a_run_extended_past_the_end_of_its_data_resumes_exactly(corpus: Path, tmp_path: Path) -> None:
-    """``max_steps`` ending exactly where the data does, then resumed with more steps (a new epoch, which Lightning
-    counts on from the old one's batches): a second resume inside that epoch continues it exactly."""
+    """``max_steps`` ending exactly where the data does, then resumed with more steps: the run goes on as an
+    uninterrupted one with those steps would, and a second resume inside the extension continues it exactly."""
     per_epoch = len(fit_recording(corpus, tmp_path / "ended", devices=1, max_steps=-1, max_epochs=1))
+    uninterrupted = fit_recording(corpus, tmp_path / "full", devices=1, max_steps=per_epoch + 9)
     fit_recording(corpus, tmp_path / "a", devices=1, max_steps=per_epoch)
     extended = fit_recording(corpus, tmp_path / "b", str(tmp_path / "a" / f"{per_epoch}.ckpt"), devices=1,
                              max_steps=per_epoch + 9)  # fmt: skip
+    assert extended == uninterrupted[per_epoch:]
     resume = str(tmp_path / "b" / f"{per_epoch + 4}.ckpt")
     assert fit_recording(corpus, tmp_path / "c", resume, devices=1, max_steps=per_epoch + 9) == extended[4:]
+
+
+def fit_saving_at_the_end(corpus: Path, path: Path, resume: str | None = None, **trainer_args: Any) -> list:
+    """Fit a recorder without step checkpoints and save one as the fit ends (as ``last.ckpt`` is written when no
+    step checkpoint came first, or ``trainer.save_checkpoint`` after ``fit``); return the samples it saw."""
+    module = SampleRecorder()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False,
+                         limit_val_batches=0, **trainer_args)  # fmt: skip
+    data = PackedTextDataModule([str(corpus)], val_fraction=0.2, tokens_per_sample=128, seed=7)
+    trainer.fit(module, datamodule=data, ckpt_path=resume)
+    trainer.save_checkpoint(path)
+    return module.seen
+
+
+@pytest.mark.parametrize(
+    ("first", "then", "max_epochs"),
+    [(5, 12, None), ("epoch+2", "2epochs+5", None), (5, 60, 3), ("epoch", 60, 3), ("epoch+4", 60, 3)],
+)
+def test_a_finished_run_extended_with_more_steps_trains_the_samples_it_should(
+    corpus: Path, tmp_path: Path, first: Any, then: Any, max_epochs: int | None
+) -> None:
+    """A run that ``max_steps`` ended, saved as it ends (Lightning has then counted its epoch done), resumed with
+    more steps: with ``max_steps`` alone it trains what one uninterrupted run of those steps would (also past the
+    data's end, over more passes); with ``max_epochs`` it goes on with the next epoch, from its first sample, as
+    Lightning counts epochs."""
+    per_epoch = len(fit_recording(corpus, tmp_path / "ended", devices=1, max_steps=-1, max_epochs=1))
+    steps = {"epoch": per_epoch, "epoch+2": per_epoch + 2, "epoch+4": per_epoch + 4, "2epochs+5": 2 * per_epoch + 5}
+    first, then = steps.get(first, first), steps.get(then, then)
+    ended = tmp_path / "ended.ckpt"
+    if max_epochs is None:
+        expected = fit_saving_at_the_end(corpus, tmp_path / "full.ckpt", max_steps=then)[first:]
+    else:
+        epochs = fit_saving_at_the_end(corpus, tmp_path / "full.ckpt", max_steps=-1, max_epochs=max_epochs)
+        start = -(-first // per_epoch) * per_epoch
+        expected = epochs[start : start + then - first]
+    fit_saving_at_the_end(corpus, ended, max_steps=first, max_epochs=max_epochs)
+    extended = fit_saving_at_the_end(corpus, tmp_path / "extended.ckpt", str(ended), max_steps=then,
+                                     max_epochs=max_epochs)  # fmt: skip
+    assert len(extended) == then - first and extended == expected

@@ -451,18 +451,19 @@ class PackedTextDataModule(pl.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        """Serve one seeded pass per epoch (or, with ``max_steps`` and no ``max_epochs``, one epoch of enough passes
-        for ``max_steps``), a resumed run continuing with the next sample its checkpoint had not trained on.
+        """Serve one seeded pass per epoch (or, with ``max_steps`` and no ``max_epochs``, one stream of as many passes
+        as ``max_steps`` needs), a resumed run continuing with the next sample its checkpoint had not trained on.
 
         The loader's length is Lightning's count of the epoch's batches done plus the batches it serves; a checkpoint
         taken at an epoch's end resumes with the next epoch (so worker processes, which draw their indices as the
-        loader is built, draw that epoch's)."""
+        loader is built, draw that epoch's). With ``max_steps`` alone a run extended with more steps continues the
+        stream even where Lightning counts a new epoch (it does for a run that ended)."""
         num_replicas, rank = self._replicas()
         trainer = self.trainer
         epoch = samples = batches = 0
+        saved = self._saved_position
         if trainer is not None:
             epoch = trainer.current_epoch
-            saved = self._saved_position
             if saved is not None and saved.samples and not trainer.fit_loop._loaded_from_state_dict:
                 raise RuntimeError(
                     "the training loader was asked for before the checkpoint's loop state was restored (by "
@@ -473,17 +474,30 @@ class PackedTextDataModule(pl.LightningDataModule):
             if trainer.fit_loop.restarting or saved is not None:  # a resume, not a reload of the loader
                 batches = self._batches_done(trainer)
                 samples = self._resumed_samples(epoch, batches, num_replicas)
-        sampler = self._sampler(self._passes(samples, num_replicas), num_replicas, rank)
+            if self._one_epoch_of_steps(trainer):
+                return self._stream_loader(samples, batches, num_replicas, rank)
+        sampler = self._sampler(1, num_replicas, rank)
         exhausted = samples > 0 and sampler.rounds_after(samples) == 0
-        if exhausted or (trainer is not None and trainer.fit_loop.restarting and self._ended_an_epoch(trainer)):
+        if saved is not None and saved.epoch < epoch:
+            # the run had ended (Lightning counts the next epoch already), and this epoch starts at its beginning;
+            # Lightning counts on from the ended epoch's ``batches`` (included in the length) only under max_steps
+            batches = batches if trainer.fit_loop.restarting else 0
+        elif exhausted or (trainer is not None and trainer.fit_loop.restarting and self._ended_an_epoch(trainer)):
             epoch, samples = epoch + 1, 0  # the epoch is done; Lightning moves on and restarts its count if it can
-            sampler = self._sampler(self._passes(0, num_replicas), num_replicas, rank)
             # Lightning restarts its count only where it reaches the new length; else it counts on from ``batches``,
             # which the length must then include
             batches = 0 if batches >= sampler.batches_per_epoch else batches
-        sampler.set_epoch(epoch)
         sampler.resume(epoch, samples, batches)
         self._resumed_at, self._saved_position = StreamPosition(epoch, samples, batches), None
+        return self._loader(self.train_samples, sampler)
+
+    def _stream_loader(self, samples: int, batches: int, num_replicas: int, rank: int) -> DataLoader:
+        """The loader of a ``max_steps``-alone run: its one stream after the first ``samples``, as many passes as the
+        steps left need and at least one more round, so Lightning, counting on from ``batches``, never finds the
+        stream's end before ``max_steps`` (there it would start the stream over as a new epoch)."""
+        sampler = self._sampler(self._passes(samples, num_replicas), num_replicas, rank, follows_epochs=False)
+        sampler.resume(0, samples, batches)
+        self._resumed_at, self._saved_position = StreamPosition(0, samples, batches), None
         return self._loader(self.train_samples, sampler)
 
     def _passes(self, samples_done: int, num_replicas: int) -> int:
@@ -492,11 +506,11 @@ class PackedTextDataModule(pl.LightningDataModule):
         trainer = self.trainer
         if trainer is None or not self._one_epoch_of_steps(trainer):
             return 1
-        steps_left = trainer.max_steps - trainer.global_step
+        steps_left = max(1, trainer.max_steps - trainer.global_step)
         needed = samples_done + steps_left * trainer.accumulate_grad_batches * self.samples_per_batch * num_replicas
         return max(1, math.ceil(needed / len(self.train_samples)))
 
-    def _sampler(self, passes: int, num_replicas: int, rank: int) -> ResumableSampler:
+    def _sampler(self, passes: int, num_replicas: int, rank: int, follows_epochs: bool = True) -> ResumableSampler:
         """The training sampler of this data-parallel rank."""
         return ResumableSampler(
             len(self.train_samples),
@@ -506,6 +520,7 @@ class PackedTextDataModule(pl.LightningDataModule):
             passes=passes,
             num_replicas=num_replicas,
             rank=rank,
+            follows_epochs=follows_epochs,
         )
 
     @staticmethod
@@ -526,6 +541,8 @@ class PackedTextDataModule(pl.LightningDataModule):
                 f"on as many (Lightning keeps one loader length for every epoch), not {num_replicas}: resume on "
                 f"{saved.replicas}, or train with max_steps alone"
             )
+        if self._one_epoch_of_steps(self.trainer):  # one stream: epoch e of a run with max_epochs is its pass e
+            return saved.epoch * len(self.train_samples) + saved.samples
         return saved.samples if saved.epoch == epoch else 0
 
     @staticmethod
@@ -534,18 +551,29 @@ class PackedTextDataModule(pl.LightningDataModule):
         return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
 
     @staticmethod
+    def _between_epochs(trainer: pl.Trainer) -> bool:
+        """Whether Lightning has ended an epoch and not started the next (as a run ends, at ``max_steps`` too): its
+        batch count is then still the ended epoch's, and ``current_epoch`` already the next."""
+        progress = trainer.fit_loop.epoch_progress.current
+        return progress.completed > 0 and progress.started == progress.completed
+
+    @staticmethod
     def _batches_done(trainer: pl.Trainer) -> int:
         """This rank's batches of the current epoch that training has done (Lightning's count; restored on resume)."""
         return trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
     def state_dict(self) -> dict[str, int]:
         """Where training stands: the epoch, how many samples of its stream (over all replicas) are done, and over
-        how many replicas. Saved in every checkpoint, so a resumed run continues with the next unseen sample."""
+        how many replicas. Saved in every checkpoint, so a resumed run continues with the next unseen sample. A run
+        that has ended is still in its last epoch (Lightning counts the next one already); with ``max_steps`` alone
+        the epoch is 0, that of the one stream."""
         if self.trainer is None:
             return {}
         start = self._resumed_at
-        if self.trainer.current_epoch != start.epoch:
-            start = StreamPosition(self.trainer.current_epoch, 0)
+        if not self._one_epoch_of_steps(self.trainer):
+            epoch = self.trainer.current_epoch - self._between_epochs(self.trainer)
+            if epoch != start.epoch:
+                start = StreamPosition(epoch, 0)
         num_replicas = self._replicas()[0]
         since = self._batches_done(self.trainer) - start.batches
         done = start.samples + since * num_replicas * self.samples_per_batch

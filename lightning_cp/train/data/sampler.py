@@ -17,6 +17,11 @@ class ResumableSampler(Sampler[int]):
     samples of its stream, which is how a resumed run continues with the same data order, also at another
     data-parallel size: no sample of the epoch is repeated or left out.
 
+    Pass ``p`` of epoch ``e`` is shuffled with ``seed + e * passes + p``: with one pass per epoch, epoch ``e`` is the
+    pass epoch 0 of more passes holds at ``e``. ``follows_epochs=False`` keeps the sampler on the epoch ``resume``
+    gave whatever epoch Lightning starts: ``max_steps`` alone reads one stream of passes, and a finished run extended
+    with more steps, for which Lightning starts a new epoch, continues it.
+
     ``complete`` (evaluation): nothing is cut. The samples after the last whole round are dealt out round-robin as
     one more, shorter batch per replica; a replica they do not reach gets ``num_samples``, a filler index for a
     sample that scores nothing, so every replica runs the same number of steps (their collectives stay paired).
@@ -33,6 +38,7 @@ class ResumableSampler(Sampler[int]):
         num_replicas: int = 1,
         rank: int = 0,
         complete: bool = False,
+        follows_epochs: bool = True,
     ) -> None:
         if complete and num_samples < 1:
             raise ValueError("a complete sampler needs at least one sample")
@@ -48,6 +54,7 @@ class ResumableSampler(Sampler[int]):
         self.num_replicas = num_replicas
         self.rank = rank
         self.complete = complete
+        self.follows_epochs = follows_epochs
         self.epoch = 0
         self._resumed: dict[int, tuple[int, int]] = {}
 
@@ -59,34 +66,39 @@ class ResumableSampler(Sampler[int]):
         return -(-total // per_round) if self.complete else total // per_round
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order the next iteration yields (Lightning calls this)."""
-        self.epoch = epoch
+        """Select the epoch whose order the next iteration yields (Lightning calls this as an epoch starts); a
+        sampler that does not follow epochs stays on its own."""
+        if self.follows_epochs:
+            self.epoch = epoch
 
     def resume(self, epoch: int, samples: int, batches: int) -> None:
-        """Continue ``epoch`` after the first ``samples`` samples of its stream (over all replicas, whatever their
-        number then), the rest dealt out afresh; ``batches`` is how many of this replica's batches of the epoch
-        Lightning counts as done, so the length it reads covers them and the rest."""
+        """Continue ``epoch`` (selected) after the first ``samples`` samples of its stream (over all replicas,
+        whatever their number then), the rest dealt out afresh; ``batches`` is how many of this replica's batches of
+        the epoch Lightning counts as done, so the length it reads covers them and the rest."""
+        self.epoch = epoch
         self._resumed = {epoch: (max(0, samples), batches)}
 
-    def _stream(self) -> torch.Tensor:
-        """Return the sample order of the current epoch over all replicas."""
+    def _stream(self, first_pass: int = 0) -> torch.Tensor:
+        """Return the sample order of the current epoch over all replicas, from pass ``first_pass`` on."""
         orders = []
-        for p in range(self.passes):
+        for p in range(first_pass, self.passes):
             if self.shuffle:
                 generator = torch.Generator().manual_seed(self.seed + self.epoch * self.passes + p)
                 orders.append(torch.randperm(self.num_samples, generator=generator))
             else:
                 orders.append(torch.arange(self.num_samples))
-        return torch.cat(orders)
+        return torch.cat(orders) if orders else torch.empty(0, dtype=torch.int64)
 
     def _mine(self) -> torch.Tensor:
         """This replica's samples of the current epoch, in order, after those a resumed run had done (with
         ``complete``, a filler where the last round leaves it none)."""
-        stream = self._stream()
         per_round = self.num_replicas * self.batch_size
         if not self.complete:
-            rest = stream[self._resumed.get(self.epoch, (0, 0))[0] :]
+            done = self._resumed.get(self.epoch, (0, 0))[0]
+            first_pass = min(done // self.num_samples, self.passes)  # passes wholly done are not drawn
+            rest = self._stream(first_pass)[done - first_pass * self.num_samples :]
             return rest[: rest.numel() // per_round * per_round][self.rank :: self.num_replicas]
+        stream = self._stream()
         whole = stream.numel() // per_round * per_round
         rest = stream[whole:][self.rank :: self.num_replicas]
         if whole < stream.numel() and rest.numel() == 0:
