@@ -39,6 +39,15 @@ def test_a_count_of_step_checkpoints_keeps_the_newest() -> None:
     assert (checkpoint.save_top_k, checkpoint.monitor, checkpoint.mode) == (3, "step", "max")
 
 
+@pytest.mark.parametrize(("bounds", "title"), [([], "Training"), (["trainer.max_epochs=3"], "Epoch 0/2")])
+def test_the_progress_bar_names_no_epoch_bound_a_run_of_max_steps_alone_lacks(bounds: list[str], title: str) -> None:
+    """With ``max_steps`` alone Lightning sets ``max_epochs=-1``, which its rich bar would show as "Epoch 0/-2"."""
+    trainer = build_trainer(load_config(None, bounds), Path("unused"), log=False)
+    bar = trainer.progress_bar_callback
+    bar.setup(trainer, None, "fit")  # as Lightning does before training
+    assert bar._get_train_description(0).strip() == title
+
+
 def test_validate_without_validation_data_says_so() -> None:
     cfg = load_config(None, ["data.val_fraction=0", "checkpoint.init_from=/some/checkpoint.ckpt"])
     with pytest.raises(ConfigError, match="validate needs validation data"):

@@ -17,8 +17,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import environments
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
@@ -150,17 +151,29 @@ def build_trainer(cfg: DictConfig, run_dir: Path, *, log: bool = True) -> pl.Tra
         rank_zero_info("lightning-cp: no validation data (data.val_fraction=0, no data.val_sources): training without")
         trainer_args["limit_val_batches"] = 0
     layout_callback = ContextParallelLayoutCallback(**plain(cfg.layout))
+    progress = [StepsProgressBar()] if cfg.trainer.enable_progress_bar and _RICH_AVAILABLE else []  # else Lightning's
     finite = [StopOnNonFiniteLoss()] if cfg.run.stop_on_nonfinite_loss else []
     monitors = [LearningRateMonitor(logging_interval="step"), EndRanksOnFailure()]
     return pl.Trainer(
         **trainer_args,
         strategy=build_strategy(cfg),
         logger=runfolder.RunCSVLogger(run_dir) if log else False,
-        callbacks=[TokenThroughput(), layout_callback, checkpoint, *monitors, *finite],
+        callbacks=[TokenThroughput(), layout_callback, checkpoint, *monitors, *finite, *progress],
         plugins=[runfolder.AtomicCheckpointIO()],
         use_distributed_sampler=False,
         enable_checkpointing=True,
     )
+
+
+class StepsProgressBar(RichProgressBar):
+    """Lightning's rich progress bar, titled "Training" rather than "Epoch 0/-2" when ``max_steps`` alone bounds the
+    run (Lightning then sets ``max_epochs=-1``, and the run is one epoch)."""
+
+    @override
+    def _get_train_description(self, current_epoch: int) -> str:
+        if not max_steps_alone(self.trainer.max_steps, self.trainer.max_epochs):
+            return super()._get_train_description(current_epoch)
+        return f"{'Training':{len(self.validation_description)}}"
 
 
 class TokenThroughput(pl.Callback):
