@@ -42,6 +42,21 @@ def build_tokenizer(cfg: DictConfig) -> Tokenizer:
     return ByteTokenizer() if path is None else HFTokenizer(path)
 
 
+def check_vocabulary(cfg: DictConfig, tokenizer: Tokenizer) -> None:
+    """Refuse a tokenizer with ids the model has no embedding row for (the first step would fail with a bare
+    IndexError, on a GPU a device-side assert)."""
+    ids = getattr(tokenizer, "vocab_size", None)
+    if cfg.model.pretrained:
+        from transformers import AutoConfig
+
+        rows = AutoConfig.from_pretrained(cfg.model.pretrained).get_text_config().vocab_size
+        fix = "give a tokenizer of model.pretrained's vocabulary"
+    else:
+        rows, fix = cfg.model.vocab_size, f"set model.vocab_size={ids} (or more)"
+    if isinstance(ids, int) and isinstance(rows, int) and ids > rows:
+        raise ConfigError(f"data.tokenizer has {ids} token ids, but the model's vocabulary has {rows}: {fix}")
+
+
 def build_datamodule(cfg: DictConfig, tokenizer: Tokenizer | None = None) -> PackedTextDataModule:
     """Return the packed-text datamodule of ``cfg.data``."""
     data = cfg.data
@@ -385,6 +400,7 @@ def fit(cfg: DictConfig) -> Path:
     """
     check_main_port()
     tokenizer = build_tokenizer(cfg)
+    check_vocabulary(cfg, tokenizer)
     datamodule = build_datamodule(cfg, tokenizer)
     prepare_data_first(cfg, datamodule, "fit")
     run_dir, resume = prepare_run(cfg)
@@ -420,7 +436,9 @@ def validate(cfg: DictConfig) -> float:
         raise ConfigError("validate needs checkpoint.init_from=PATH (or checkpoint.resume_from=last)")
     check_checkpoint_fits(cfg, ckpt, "checkpoint")
     cfg.checkpoint.init_from, cfg.checkpoint.resume_from = ckpt, None
-    datamodule = build_datamodule(cfg)
+    tokenizer = build_tokenizer(cfg)
+    check_vocabulary(cfg, tokenizer)
+    datamodule = build_datamodule(cfg, tokenizer)
     prepare_data_first(cfg, datamodule, "validate")
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     trainer = build_trainer(cfg, run_dir, log=False)

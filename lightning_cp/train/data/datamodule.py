@@ -411,6 +411,8 @@ class PackedTextDataModule(pl.LightningDataModule):
             if samples.segments.num_tokens == 0:
                 if name == "validation":
                     continue  # no validation documents: no validation (the main job sets limit_val_batches=0)
+                if self.val_sources or self.val_fraction == 0:  # nothing was held out of the training sources
+                    return "the training sources hold no non-empty document: add documents to data.sources"
                 return (
                     f"the training split holds no tokens (data.val_fraction={self.val_fraction} holds out at least "
                     "one document): add documents, or set data.val_fraction=0 or data.val_sources"

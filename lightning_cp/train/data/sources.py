@@ -1,5 +1,9 @@
 """Document sources: the embedded Python documentation corpus, text files, folders and JSONL files of examples.
 
+A file named ``*.jsonl`` or ``*.json`` (any case) is read as JSON Lines, one example per line (what
+``datasets.Dataset.to_json`` writes); a folder holds the text and ``*.jsonl`` files under it. A byte-order mark
+opening a file is dropped.
+
 Sources are read lazily (``iter_documents``), one line of a JSONL file at a time. Undecodable bytes and lone
 surrogates (JSON escapes such as ``"\\ud800"``, which no UTF-8 encoder or Hugging Face tokenizer accepts) become
 U+FFFD, with one warning per file naming the count and the first lines.
@@ -16,16 +20,17 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_cp.train.data.tokenizer import Example, replace_surrogates
+from lightning_cp.train.data.tokenizer import Example, example_problem, replace_surrogates
 
 EMBEDDED = "pydoc"
 logger = logging.getLogger("lightning_cp.data")
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
 JSONL_SUFFIXES = (".jsonl",)
-EXAMPLE_KEYS = ("text", "prompt", "messages")
+JSON_LINES_FILE_SUFFIXES = (*JSONL_SUFFIXES, ".json")  # a file named so is JSON Lines (a folder takes .jsonl only)
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 LINES_NAMED = 5
 Advance = Callable[[int], None]
+_ARRAY_HINT = "; write one example per line (JSON Lines), not one JSON array"
 
 
 def embedded_documents() -> list[str]:
@@ -65,21 +70,27 @@ def iter_jsonl(path: Path, advance: Advance | None = None) -> Iterator[Example]:
         for line_number, raw in enumerate(handle, start=1):
             if advance is not None:
                 advance(len(raw))
+            encoding = "utf-8-sig" if line_number == 1 else "utf-8"
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode(encoding)
             except UnicodeDecodeError:
-                line = raw.decode("utf-8", errors="replace")
+                line = raw.decode(encoding, errors="replace")
                 undecodable.append(line_number)
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{line_number}: not valid JSON ({error.msg})") from None
-            if not isinstance(record, dict) or not any(key in record for key in EXAMPLE_KEYS):
+                array = line_number == 1 and line.lstrip().startswith("[")
+                raise ValueError(f"{path}:{line_number}: not valid JSON ({error.msg}){_ARRAY_HINT * array}") from None
+            if not isinstance(record, dict):
                 raise ValueError(
-                    f'{path}:{line_number}: expected a JSON object with "text", "prompt"/"completion" or "messages"'
+                    f"{path}:{line_number}: expected a JSON object (one example per line), got a JSON "
+                    f"{type(record).__name__}{_ARRAY_HINT * isinstance(record, list)}"
                 )
+            problem = example_problem(record)
+            if problem is not None:
+                raise ValueError(f"{path}:{line_number}: {problem}")
             if "\\u" in line and SURROGATE_ESCAPE.search(line):
                 record, count = _replace_in(record)
                 if count:
@@ -98,7 +109,8 @@ def iter_jsonl(path: Path, advance: Advance | None = None) -> Iterator[Example]:
 def source_files(path: Path) -> list[Path]:
     """Return the file ``path``, or the text and JSONL files of the folder ``path`` in sorted order."""
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES)
+        suffixes = TEXT_SUFFIXES + JSONL_SUFFIXES
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in suffixes)
         if not files:
             raise ValueError(f"folder {path} holds no {', '.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} files")
         return files
@@ -113,16 +125,16 @@ def _read_text(path: Path, advance: Advance | None) -> str:
     if advance is not None:
         advance(len(raw))
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8-sig")
     except UnicodeDecodeError:
         logger.warning("%s: bytes that are not UTF-8 were replaced by U+FFFD", path)
-        return raw.decode("utf-8", errors="replace")
+        return raw.decode("utf-8-sig", errors="replace")
 
 
 def iter_path(path: Path, advance: Advance | None = None) -> Iterator[Example]:
     """Yield the documents of one file (a text file is one document) or of every text/JSONL file in a folder."""
     for file in source_files(path):
-        if file.suffix in JSONL_SUFFIXES:
+        if file.suffix.lower() in JSON_LINES_FILE_SUFFIXES:
             yield from iter_jsonl(file, advance)
         else:
             yield _read_text(file, advance)

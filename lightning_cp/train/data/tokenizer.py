@@ -29,9 +29,9 @@ def replace_surrogates(text: str) -> tuple[str, int]:
 class Tokenizer(Protocol):
     """What packing needs of a tokeniser.
 
-    Optional: ``vocab_size`` (ids below 65536 are stored in 2 bytes), ``fingerprint``, a string that changes
-    whenever the tokens would (without one the datamodule cannot share a cache and prepares data in each process), and
-    ``unit``, what one token is ("byte", "token": the loss plot's unit).
+    Optional: ``vocab_size`` (the largest id plus one; ids below 65536 are stored in 2 bytes), ``fingerprint``, a
+    string that changes whenever the tokens would (without one the datamodule cannot share a cache and prepares data in
+    each process), and ``unit``, what one token is ("byte", "token": the loss plot's unit).
     """
 
     eos_id: int | None
@@ -82,7 +82,8 @@ class HFTokenizer:
 
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.eos_id = self.tokenizer.eos_token_id
-        self.vocab_size = len(self.tokenizer)
+        # ids may have gaps (an added token far past the rest): the vocabulary is the largest id plus one
+        self.vocab_size = max(len(self.tokenizer), max(self.tokenizer.get_vocab().values(), default=-1) + 1)
 
     @cached_property
     def fingerprint(self) -> str:
@@ -142,25 +143,52 @@ def _chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]]) -> tuple[
     return ids, labels
 
 
+def example_problem(example: Any) -> str | None:
+    """Why ``example`` is none of the shapes an example takes (None: it is one): text, ``{"text"}``,
+    ``{"prompt", "completion"}`` (strings) or ``{"messages"}`` (a non-empty list of objects)."""
+    if isinstance(example, str):
+        return None
+    if isinstance(example, Mapping):
+        messages = example.get("messages")
+        if (
+            isinstance(example.get("text"), str)
+            or (isinstance(example.get("prompt"), str) and isinstance(example.get("completion"), str))
+            or (isinstance(messages, list) and messages and all(isinstance(m, Mapping) for m in messages))
+        ):
+            return None
+        got = "{" + ", ".join(f'"{key}": {type(value).__name__}' for key, value in example.items()) + "}"
+    else:
+        got = f"a {type(example).__name__}"
+    return (
+        'expected {"text": str}, {"prompt": str, "completion": str} or {"messages": [{"role": ..., "content": ...}, '
+        f"...]}}, got {got}"
+    )
+
+
 def tokenize_example(tokenizer: Tokenizer, example: Example, where: str = "") -> tuple[list[int], list[int]]:
-    """Return the token ids and labels of one example: text, ``{"text"}``, ``{"prompt", "completion"}`` or
-    ``{"messages"}``; ``where`` names the example in errors."""
+    """Return the token ids and labels of one example (see ``example_problem``); ``where`` names it in errors.
+
+    The end-of-document id follows as a target unless the ids end with it: after a text, after a completion (a
+    tokenizer that also ends its prompts with it has that one dropped), and after a chat whose last turn is the
+    assistant's (unless its template marks the turns' ends with it itself, as ChatML's ``<|im_end|>`` does)."""
+    problem = example_problem(example)
+    if problem is not None:
+        raise ValueError(f"{where or 'example'}: {problem}")
     if isinstance(example, str):
         example = {"text": example}
+    eos_id = tokenizer.eos_id
     if isinstance(example.get("text"), str):
         ids = tokenizer.encode(example["text"])
-        return _with_eos(ids, list(ids), tokenizer.eos_id)
+        return _with_eos(ids, list(ids), eos_id)
     if isinstance(example.get("prompt"), str) and isinstance(example.get("completion"), str):
         prompt = tokenizer.encode(example["prompt"])
+        if eos_id is not None and prompt and prompt[-1] == eos_id:
+            plain = tokenizer.encode(example["prompt"], add_special_tokens=False)
+            prompt = prompt if plain and plain[-1] == eos_id else prompt[:-1]  # the tokenizer's own end-of-text
         completion = tokenizer.encode(example["completion"], add_special_tokens=False)
-        return _with_eos([*prompt, *completion], [IGNORE_INDEX] * len(prompt) + completion, tokenizer.eos_id)
-    messages = example.get("messages")
-    if isinstance(messages, list) and messages and all(isinstance(m, Mapping) for m in messages):
-        ids, labels = _chat(tokenizer, messages)
-        if tokenizer.eos_id in ids:  # the template marks the turns' ends itself (ChatML's <|im_end|>\n)
-            return ids, labels
-        return _with_eos(ids, labels, tokenizer.eos_id)
-    raise ValueError(
-        f'{where or "example"}: expected {{"text": ...}}, {{"prompt": ..., "completion": ...}} or '
-        f'{{"messages": [...]}}, got keys {sorted(example)}'
-    )
+        return _with_eos([*prompt, *completion], [IGNORE_INDEX] * len(prompt) + completion, eos_id)
+    messages = example["messages"]
+    ids, labels = _chat(tokenizer, messages)
+    if eos_id in ids or messages[-1].get("role") != "assistant":
+        return ids, labels
+    return _with_eos(ids, labels, eos_id)
