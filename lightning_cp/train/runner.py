@@ -150,7 +150,7 @@ def interval_errors_in_steps(trainer_args: dict[str, Any]) -> Iterator[None]:
 
 def build_trainer(cfg: DictConfig, run_dir: Path, *, log: bool = True) -> pl.Trainer:
     """Return a Trainer that logs ``metrics.csv`` (unless ``log`` is false) and checkpoints into ``run_dir``."""
-    checkpoint = ModelCheckpoint(
+    checkpoint = StepCheckpoint(
         dirpath=run_dir / runfolder.CHECKPOINT_DIR,
         filename="step{step:06d}",
         auto_insert_metric_name=False,
@@ -178,6 +178,30 @@ def build_trainer(cfg: DictConfig, run_dir: Path, *, log: bool = True) -> pl.Tra
         use_distributed_sampler=False,
         enable_checkpointing=True,
     )
+
+
+class StepCheckpoint(ModelCheckpoint):
+    """Lightning's step checkpoints, saved where a resumed run loses nothing: a checkpoint step that validation
+    follows once that validation has ended (Lightning skips a validation it finds due at the step it resumes, so a run
+    killed during it would never log that point), and the run's last step as it ends (``last.ckpt`` would otherwise
+    keep the last multiple of ``every_n_train_steps``)."""
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        due = self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0
+        epoch_loop = trainer.fit_loop.epoch_loop  # Lightning's own test of whether validation follows this batch
+        validates = due and epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+        if validates and not self._should_skip_saving_checkpoint(trainer):
+            self._defer_save_until_validation = True  # saved by ModelCheckpoint.on_validation_end
+            return
+        super().on_train_batch_end(trainer, pl_module, *args)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._should_skip_saving_checkpoint(trainer):  # the last step is not saved yet
+            candidates = self._monitor_candidates(trainer)
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
 
 
 class StepsProgressBar(RichProgressBar):

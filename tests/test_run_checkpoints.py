@@ -1,0 +1,66 @@
+"""Where the main job's checkpoints fall: a run killed during the validation of a checkpoint step resumes without
+losing that validation, and a run whose last step is no multiple of ``checkpoint.every_n_steps`` saves it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from tests.cli_helpers import TIMEOUT, assert_same, cli_env, run_losses
+
+TINY = [
+    "trainer.max_steps=4",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=2",
+    "checkpoint.every_n_steps=2",
+    "data.tokens_per_sample=128",
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "model.intermediate_size=64",
+    "trainer.devices=1",
+    "strategy.context_parallel_size=1",
+    "trainer.enable_progress_bar=false",
+]
+KILLED_AT_VALIDATION = """
+import sys
+from lightning_cp.train.cli import main
+from lightning_cp.train.models import LlamaLM
+
+def killed(self):
+    if self.trainer.state.fn == "fit" and self.trainer.global_step == int(sys.argv[1]):
+        raise KeyboardInterrupt  # as a kill would stop it: in the middle of this validation
+LlamaLM.on_validation_start = killed
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _fit(root: Path, name: str, *args: str, killed_at: int = -1) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-c", KILLED_AT_VALIDATION, str(killed_at), "fit", *TINY, f"run.root={root}"]
+    return subprocess.run(
+        [*command, f"run.name={name}", *args], capture_output=True, text=True, timeout=TIMEOUT, env=cli_env()
+    )
+
+
+def test_a_run_killed_in_a_checkpoint_steps_validation_resumes_with_every_validation(tmp_path: Path) -> None:
+    """Killed while validating at step 4 (a checkpoint step), then resumed: the same train and validation losses at
+    the same steps as the uninterrupted run (a checkpoint saved before that validation would skip it on resume)."""
+    assert _fit(tmp_path, "full").returncode == 0
+    assert _fit(tmp_path, "killed", killed_at=4).returncode != 0
+    resumed = _fit(tmp_path, "killed", "checkpoint.resume_from=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (steps, train), (val_steps, val) = run_losses(tmp_path / "killed")
+    (full_steps, full_train), (full_val_steps, full_val) = run_losses(tmp_path / "full")
+    assert val_steps == full_val_steps == [0, 2, 4] and steps == full_steps == [0, 1, 2, 3]
+    assert_same(train, full_train, rel=1e-6)
+    assert_same(val, full_val, rel=1e-6)
+
+
+def test_the_last_step_is_saved_when_the_checkpoint_interval_does_not_reach_it(tmp_path: Path) -> None:
+    """``max_steps=5`` with checkpoints every 2 steps: ``last.ckpt`` and the newest step checkpoint hold step 5."""
+    assert _fit(tmp_path, "run", "trainer.max_steps=5").returncode == 0
+    folder = tmp_path / "run" / "checkpoints"
+    assert sorted(path.name for path in folder.iterdir()) == ["last.ckpt", "step000005.ckpt"]
+    assert torch.load(folder / "last.ckpt", weights_only=True, mmap=True)["global_step"] == 5
