@@ -77,9 +77,16 @@ class CausalLMModule(pl.LightningModule):
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        """Return the scaled loss; log the replica-wide mean loss per step."""
+        """Return the scaled loss; log the replica-wide mean loss per optimizer step: under gradient accumulation
+        the mean of its batches' losses, as its gradient is (Lightning keeps the last value logged in a step)."""
         out, _ = self._loss(batch)
-        self.log("train_loss", out.mean, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
+        step, losses = self.__dict__.get("_losses_of_step", (None, []))
+        if step != self.trainer.global_step:
+            step, losses = self.trainer.global_step, []
+            self.__dict__["_losses_of_step"] = (step, losses)
+        losses.append(out.mean.detach())
+        step_loss = torch.stack(losses).mean()
+        self.log("train_loss", step_loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
         return out.loss
 
     @override

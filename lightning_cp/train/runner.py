@@ -168,7 +168,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, *, log: bool = True) -> pl.Tra
     layout_callback = ContextParallelLayoutCallback(**plain(cfg.layout))
     progress = [StepsProgressBar()] if cfg.trainer.enable_progress_bar and _RICH_AVAILABLE else []  # else Lightning's
     finite = [StopOnNonFiniteLoss()] if cfg.run.stop_on_nonfinite_loss else []
-    monitors = [LearningRateMonitor(logging_interval="step"), EndRanksOnFailure()]
+    monitors = [StepLearningRateMonitor(logging_interval="step"), EndRanksOnFailure()]
     return pl.Trainer(
         **trainer_args,
         strategy=build_strategy(cfg),
@@ -202,6 +202,19 @@ class StepCheckpoint(ModelCheckpoint):
             candidates = self._monitor_candidates(trainer)
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
+
+
+class StepLearningRateMonitor(LearningRateMonitor):
+    """Lightning's learning-rate monitor, one row per optimizer step (it logs as every batch starts: under gradient
+    accumulation once per accumulated batch, all at the same step)."""
+
+    _logged_step: int | None = None
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        if trainer.global_step != self._logged_step:
+            self._logged_step = trainer.global_step
+            super().on_train_batch_start(trainer, *args, **kwargs)
 
 
 class StepsProgressBar(RichProgressBar):

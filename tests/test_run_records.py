@@ -1,5 +1,6 @@
-"""Where the main job's checkpoints fall: a run killed during the validation of a checkpoint step resumes without
-losing that validation, and a run whose last step is no multiple of ``checkpoint.every_n_steps`` saves it."""
+"""What the main job records: a run killed during the validation of a checkpoint step resumes without losing that
+validation, a run whose last step is no multiple of ``checkpoint.every_n_steps`` saves it, and under gradient
+accumulation each optimizer step's loss and learning rate are one row."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_cp.train.runfolder import read_metrics
 from tests.cli_helpers import TIMEOUT, assert_same, cli_env, run_losses
 
 TINY = [
@@ -64,3 +66,22 @@ def test_the_last_step_is_saved_when_the_checkpoint_interval_does_not_reach_it(t
     folder = tmp_path / "run" / "checkpoints"
     assert sorted(path.name for path in folder.iterdir()) == ["last.ckpt", "step000005.ckpt"]
     assert torch.load(folder / "last.ckpt", weights_only=True, mmap=True)["global_step"] == 5
+
+
+def test_under_accumulation_a_step_logs_the_mean_loss_of_its_batches_and_one_learning_rate(tmp_path: Path) -> None:
+    """With a learning rate of 1e-300 the weights stay put, so two steps of two accumulated batches log the means of
+    the losses a run without accumulation logs for those four batches (Lightning would keep each step's last)."""
+    fixed = ["optim.lr=1e-300", "trainer.precision=64-true", "trainer.val_check_interval=100"]
+    fixed.append("trainer.limit_val_batches=1")
+    assert _fit(tmp_path, "single", *fixed).returncode == 0
+    assert (
+        _fit(tmp_path, "accumulated", *fixed, "trainer.max_steps=2", "trainer.accumulate_grad_batches=2").returncode
+        == 0
+    )
+    (_, single), _ = run_losses(tmp_path / "single")
+    (steps, accumulated), _ = run_losses(tmp_path / "accumulated")
+    assert steps == [0, 1] and len(set(single)) == 4
+    assert_same(accumulated, [(single[0] + single[1]) / 2, (single[2] + single[3]) / 2], rel=1e-12)
+    rows = read_metrics(tmp_path / "accumulated" / "metrics.csv")
+    learning_rates = [row["step"] for row in rows if any(key.startswith("lr-") and row[key] for key in row)]
+    assert sorted(learning_rates) == ["0", "1"]
