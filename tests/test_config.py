@@ -150,6 +150,17 @@ def test_a_pretrained_model_takes_saved_configs_but_no_changed_architecture() ->
         ),
         (["strategy.cpu_offload=true"], r"strategy.cpu_offload: true needs strategy.data_parallel=fsdp"),
         (["model.loss_chunk_tokens=-1"], r"model.loss_chunk_tokens: got -1"),
+        (["model.init_std=-1"], r"model.init_std: got -1.0; expected a standard deviation > 0"),
+        (["data.tokens_per_sample=1"], r"data.tokens_per_sample: got 1; expected at least 2"),
+        (["trainer.max_epochs=0"], r"trainer.max_epochs: got 0; expected null, -1 or an integer >= 1"),
+        (["trainer.max_epochs=-5"], r"trainer.max_epochs: got -5"),
+        (["trainer.gradient_clip_val=-1"], r"trainer.gradient_clip_val: got -1.0; expected null or 0"),
+        (["trainer.limit_val_batches=abc"], r"trainer.limit_val_batches: got abc; expected batches"),
+        (["trainer.limit_val_batches=1.5"], r"trainer.limit_val_batches: got 1.5"),
+        (
+            ["strategy.data_parallel_size=1", "strategy.context_parallel_size=1"],
+            r"strategy.data_parallel_size=1 x context_parallel_size x tensor_parallel_size = 1 is not the world size 2",
+        ),
         (["strategy.attention_mode=hybrid"], r"strategy.attention_mode='hybrid' with ulysses_size=None: 'hybrid'"),
         (["strategy.ulysses_size=2"], r"strategy.attention_mode='allgather' with ulysses_size=2: .* take none"),
         (

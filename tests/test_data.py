@@ -7,6 +7,7 @@ import logging
 import math
 import pickle
 import random
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,6 +29,7 @@ from lightning_cp.train.data import (
 from lightning_cp.train.data import datamodule as datamodule_module
 from lightning_cp.train.data.datamodule import CACHE_ENV
 from lightning_cp.train.data.packing import split_document
+from lightning_cp.train.data.tokenizer import IGNORE_INDEX
 from tests.cli_helpers import run_cli
 
 
@@ -262,13 +264,17 @@ def test_no_validation_documents_when_val_fraction_is_zero() -> None:
     assert len(dm.train_samples) > 0 and len(dm.val_samples) == 0
 
 
-def _scan_first_fit(lengths: list[int], budget: int) -> list[list[tuple[int, int, int]]]:
-    """The plain first-fit: each piece scans every bin from the first."""
+def _scan_first_fit(
+    lengths: list[int], budget: int, keep: Callable[[int, int, int], bool] = lambda *piece: True
+) -> list[list[tuple[int, int, int]]]:
+    """The plain first-fit: each piece (those ``keep(doc, start, end)`` allows) scans every bin from the first."""
     bins: list[list[tuple[int, int, int]]] = []
     room: list[int] = []
     for doc, length in enumerate(lengths):
         for start in range(0, length, budget):
             size = min(budget, length - start)
+            if not keep(doc, start, start + size):
+                continue
             target = next((i for i, free in enumerate(room) if free >= size), None)
             if target is None:
                 bins.append([])
@@ -303,14 +309,13 @@ def test_a_long_single_document_packs_fast(tmp_path: Path) -> None:
     (tmp_path / "long.txt").write_text(text, encoding="utf-8")
     dm = PackedTextDataModule([str(tmp_path / "long.txt")], tokens_per_sample=1024, val_fraction=0.0)
     dm.setup("fit")
-    data = text.encode() + bytes([0])
-    assert len(dm.train_samples) == math.ceil(len(data) / 1024)
+    tokens = [*text.encode(), ByteTokenizer.eos_id]
+    pieces = [tokens[start : start + 1024] for start in range(0, len(tokens), 1024)]
+    pieces = [piece for piece in pieces if len(piece) > 1]  # a 1-token piece predicts nothing: left out
+    assert len(dm.train_samples) == len(pieces) and math.ceil(len(tokens) / 1024) - len(pieces) in (0, 1)
     for index in (0, 1234, len(dm.train_samples) - 1):
         pack = dm.train_samples[index]
-        expected = list(data[index * 1024 : (index + 1) * 1024])
-        if index == len(dm.train_samples) - 1:
-            expected[-1] = ByteTokenizer.eos_id
-        assert pack.input_ids.tolist() == expected and pack.cu_seqlens.tolist() == [0, len(expected)]
+        assert pack.input_ids.tolist() == pieces[index] and pack.cu_seqlens.tolist() == [0, len(pieces[index])]
 
 
 def _reference_samples(documents: list, budget: int, packed: bool) -> list[list[list[int]]]:
@@ -319,10 +324,17 @@ def _reference_samples(documents: list, budget: int, packed: bool) -> list[list[
     if not packed:
         ids = [t for e in examples for t in e[0]]
         labels = [t for e in examples for t in e[1]]
-        rows = range(len(ids) // budget)
-        return [[ids[i * budget : (i + 1) * budget], labels[i * budget : (i + 1) * budget]] for i in rows]
+        rows = [
+            [ids[i * budget : (i + 1) * budget], labels[i * budget : (i + 1) * budget]]
+            for i in range(len(ids) // budget)
+        ]
+        return [row for row in rows if any(label != IGNORE_INDEX for label in row[1][1:])]
     samples = []
-    for pieces in _scan_first_fit([len(e[0]) for e in examples], budget):
+
+    def predicts(doc: int, start: int, end: int) -> bool:  # a target after the piece's first token
+        return any(label != IGNORE_INDEX for label in examples[doc][1][start + 1 : end])
+
+    for pieces in _scan_first_fit([len(e[0]) for e in examples], budget, predicts):
         ids = [t for d, a, b in pieces for t in examples[d][0][a:b]]
         labels = [t for d, a, b in pieces for t in examples[d][1][a:b]]
         cu = [0]

@@ -156,3 +156,35 @@ def test_a_tokenizer_larger_than_the_built_in_models_vocabulary_is_one_line(tmp_
         "lightning-cp: error: data.tokenizer has 350 token ids, but the model's vocabulary has 257: set "
         "model.vocab_size=350 (or more)\n"
     )
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_piece_or_row_without_a_target_is_left_out(tmp_path: Path, packed: bool) -> None:
+    """A prompt longer than the sample cut into pieces (or dense rows) that hold no completion token, and a last
+    piece of one token (predicted from nothing): they would train nothing, so every sample served predicts some
+    target, and every completion token is still served."""
+    prompt, completion = "p" * 150, "c" * 20
+    text = "t" * 64  # with EOS 65 bytes: its second piece (packed) is one token
+    source = _lines(tmp_path / "d.jsonl", [{"prompt": prompt, "completion": completion}, {"text": text}])
+    data = PackedTextDataModule([str(source)], val_fraction=0, tokens_per_sample=64, packed=packed)
+    data.setup("fit")
+    samples = [data.train_samples[i] for i in range(len(data.train_samples))]
+    if packed:
+        pieces = [(s.input_ids.tolist(), s.labels.tolist(), s.cu_seqlens.tolist()) for s in samples]
+        documents = [
+            (ids[a:b], labels[a:b]) for ids, labels, cu in pieces for a, b in zip(cu[:-1], cu[1:], strict=True)
+        ]
+    else:
+        documents = [(ids.tolist(), labels.tolist()) for ids, labels in samples]
+    assert documents and all(any(label != IGNORE_INDEX for label in labels[1:]) for _, labels in documents)
+    targets = [label for _, labels in documents for label in labels if label != IGNORE_INDEX]
+    assert targets.count(ord("c")) == len(completion)
+    # packed: the prompt's first two pieces and the text's last token; dense: the first two of three rows (and the
+    # tail, as ever)
+    assert sorted(len(ids) for ids, _ in documents) == ([43, 64] if packed else [64])
+
+
+@pytest.mark.parametrize("key", ["model.pretrained", "data.tokenizer"])
+def test_a_missing_model_or_tokenizer_folder_is_named_not_looked_up_on_the_hub(tmp_path: Path, key: str) -> None:
+    done = run_cli("fit", f"{key}={tmp_path / 'missing'}", f"run.root={tmp_path / 'runs'}")
+    assert done.returncode == 2 and done.stderr == f"lightning-cp: error: {key}: no folder {tmp_path / 'missing'}\n"

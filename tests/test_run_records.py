@@ -1,6 +1,6 @@
 """What the main job records: a run killed during the validation of a checkpoint step resumes without losing that
 validation, a run whose last step is no multiple of ``checkpoint.every_n_steps`` saves it, and under gradient
-accumulation each optimizer step's loss and learning rate are one row."""
+accumulation each optimizer step's loss and learning rate are one row, and a batch without targets logs no loss."""
 
 from __future__ import annotations
 
@@ -8,8 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.loggers import CSVLogger
 
+from lightning_cp.train.data.collate import collate_dense
+from lightning_cp.train.models import LlamaLM
 from lightning_cp.train.runfolder import read_metrics
 from tests.cli_helpers import TIMEOUT, assert_same, cli_env, run_losses
 
@@ -85,3 +89,18 @@ def test_under_accumulation_a_step_logs_the_mean_loss_of_its_batches_and_one_lea
     rows = read_metrics(tmp_path / "accumulated" / "metrics.csv")
     learning_rates = [row["step"] for row in rows if any(key.startswith("lr-") and row[key] for key in row)]
     assert sorted(learning_rates) == ["0", "1"]
+
+
+def test_a_batch_without_targets_logs_no_loss(tmp_path: Path) -> None:
+    """A step whose batch has no target trains nothing; logging its loss, 0, would read as a perfect fit."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, 16))
+    rows = [(ids[0], torch.full((16,), -100)), (ids[1], ids[1])]  # the first batch scores nothing
+    loader = torch.utils.data.DataLoader(rows, batch_size=1, collate_fn=collate_dense)
+    model = LlamaLM(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=CSVLogger(tmp_path, name="", version=""),
+                         log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False)  # fmt: skip
+    trainer.fit(model, train_dataloaders=loader)
+    rows = read_metrics(tmp_path / "metrics.csv")
+    assert [row["step"] for row in rows if row.get("train_loss")] == ["1"]

@@ -78,15 +78,17 @@ class CausalLMModule(pl.LightningModule):
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         """Return the scaled loss; log the replica-wide mean loss per optimizer step: under gradient accumulation
-        the mean of its batches' losses, as its gradient is (Lightning keeps the last value logged in a step)."""
-        out, _ = self._loss(batch)
+        the mean of its batches' losses, as its gradient is (Lightning keeps the last value logged in a step). A batch
+        without targets trains nothing and logs nothing (its loss, 0, would read as a perfect fit)."""
+        out, count = self._loss(batch)
         step, losses = self.__dict__.get("_losses_of_step", (None, []))
         if step != self.trainer.global_step:
             step, losses = self.trainer.global_step, []
             self.__dict__["_losses_of_step"] = (step, losses)
-        losses.append(out.mean.detach())
-        step_loss = torch.stack(losses).mean()
-        self.log("train_loss", step_loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
+        if count:
+            losses.append(out.mean.detach())
+            step_loss = torch.stack(losses).mean()
+            self.log("train_loss", step_loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
         return out.loss
 
     @override

@@ -209,6 +209,19 @@ def _check_optimization(cfg: DictConfig) -> None:
         raise ConfigError(
             f"trainer.max_steps: got {trainer.max_steps}; expected an integer >= 1 (or -1 with trainer.max_epochs)"
         )
+    if trainer.max_epochs is not None and trainer.max_epochs != -1 and trainer.max_epochs < 1:
+        raise ConfigError(f"trainer.max_epochs: got {trainer.max_epochs}; expected null, -1 or an integer >= 1")
+    if trainer.gradient_clip_val is not None and trainer.gradient_clip_val < 0:
+        raise ConfigError(
+            f"trainer.gradient_clip_val: got {trainer.gradient_clip_val}; expected null or 0 (no clipping), or more"
+        )
+    limit = trainer.limit_val_batches
+    if isinstance(limit, bool) or not (
+        (isinstance(limit, int) and limit >= 0) or (isinstance(limit, float) and 0.0 <= limit <= 1.0)
+    ):
+        raise ConfigError(
+            f"trainer.limit_val_batches: got {limit}; expected batches (an integer >= 0) or a fraction in [0, 1]"
+        )
     interval = trainer.val_check_interval
     if isinstance(interval, bool) or not (
         (isinstance(interval, int) and interval >= 1) or (isinstance(interval, float) and 0.0 < interval <= 1.0)
@@ -233,6 +246,8 @@ def _check_model(model: DictConfig) -> None:
         )
     if model.vocab_size < 257:
         raise ConfigError(f"model.vocab_size: got {model.vocab_size}; the byte tokenizer needs at least 257")
+    if not model.init_std > 0:
+        raise ConfigError(f"model.init_std: got {model.init_std}; expected a standard deviation > 0")
     if model.loss_chunk_tokens < 0:
         raise ConfigError(f"model.loss_chunk_tokens: got {model.loss_chunk_tokens}; expected 0 (whole logits) or more")
 
@@ -310,6 +325,11 @@ def _check_values(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value < 1:
             raise ConfigError(f"{key}: got {value}; expected an integer >= 1")
+    if cfg.data.tokens_per_sample < 2:
+        raise ConfigError(
+            f"data.tokens_per_sample: got {cfg.data.tokens_per_sample}; expected at least 2 (a token is predicted from "
+            "the one before it)"
+        )
     if not 0.0 <= cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction: got {cfg.data.val_fraction}; expected a number in [0, 1)")
     _check_optimization(cfg)
@@ -348,6 +368,11 @@ def _check_values(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"world size {world} (trainer.devices={per_node} x trainer.num_nodes={cfg.trainer.num_nodes}) "
                 f"is not divisible by strategy.context_parallel_size x strategy.tensor_parallel_size = {group}"
+            )
+        if dp != "auto" and dp * group != world:
+            raise ConfigError(
+                f"strategy.data_parallel_size={dp} x context_parallel_size x tensor_parallel_size = {dp * group} is "
+                f"not the world size {world}: give {world // group} or auto"
             )
     elif isinstance(devices, str) and devices == "auto" and cfg.trainer.accelerator.value == "cpu":
         raise ConfigError("trainer.devices: got 'auto'; on CPU give the number of processes (cp x tp x dp)")

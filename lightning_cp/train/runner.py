@@ -380,11 +380,15 @@ def check_checkpoint_fits(cfg: DictConfig, path: str, key: str) -> dict[str, Any
 
 
 def check_data_sources(cfg: DictConfig) -> None:
-    """Raise ``ConfigError`` for a data source path that does not exist."""
+    """Raise ``ConfigError`` for a data source path that does not exist, or a model or tokenizer folder written as a
+    path (not a hub name) that does not."""
     for key in ("sources", "val_sources"):
         for source in cfg.data[key] or []:
             if source != EMBEDDED and not Path(source).expanduser().exists():
                 raise ConfigError(f"data.{key}: {source} does not exist (use files, folders, .jsonl or {EMBEDDED})")
+    for key, folder in (("model.pretrained", cfg.model.pretrained), ("data.tokenizer", cfg.data.tokenizer)):
+        if folder and folder.startswith(("/", "./", "../", "~")) and not Path(folder).expanduser().is_dir():
+            raise ConfigError(f"{key}: no folder {folder}")
 
 
 def data_parallel_replicas(cfg: DictConfig) -> int:
@@ -436,6 +440,7 @@ def fit(cfg: DictConfig) -> Path:
     A pretrained model is saved with its tokenizer in ``<run folder>/hf`` at the end, loadable by ``transformers``.
     """
     check_main_port()
+    check_data_sources(cfg)
     tokenizer = build_tokenizer(cfg)
     check_vocabulary(cfg, tokenizer)
     datamodule = build_datamodule(cfg, tokenizer)

@@ -41,7 +41,10 @@ from lightning_cp.train.data.packing import (
     PackedSamples,
     cumulative,
     ignored_ranges,
-    plan_packs,
+    pack_pieces,
+    piece_table,
+    predicts_a_target,
+    rows_predicting_a_target,
 )
 from lightning_cp.train.data.sampler import ResumableSampler
 from lightning_cp.train.data.sources import EMBEDDED, describe_sources, iter_documents, split_documents
@@ -190,14 +193,18 @@ def split_arrays(
     store: TokenStore, docs: np.ndarray, budget: int, packed: bool, show: bool = False
 ) -> dict[str, np.ndarray]:
     """The samples of documents ``docs`` of ``store`` as arrays: segments ``src`` (where each starts in the store)
-    and ``cum`` (their cumulative lengths), and for packs ``bounds`` (each pack's first segment)."""
+    and ``cum`` (their cumulative lengths), for packs ``bounds`` (each pack's first segment), for dense rows ``rows``
+    (those served). A piece or row with no target after its first token, which would train nothing, is left out."""
     starts = np.asarray(store.offsets[:-1])[docs]
     lengths = np.diff(np.asarray(store.offsets))[docs]
     if not packed:
-        return {"src": starts, "cum": cumulative(lengths)}
-    pieces = int((-(-lengths // budget)).sum())
-    with _progress(show and pieces > 0, pieces, "packing", " pieces") as advance:
-        plan = plan_packs(lengths, budget, advance)
+        cum = cumulative(lengths)
+        return {"src": starts, "cum": cum, "rows": rows_predicting_a_target(starts, cum, budget, store.ignored)}
+    doc, start, length = piece_table(lengths, budget)
+    kept = predicts_a_target(starts[doc] + start, length, store.ignored)  # a piece is its own document
+    doc, start, length = doc[kept], start[kept], length[kept]
+    with _progress(show and doc.size > 0, doc.size, "packing", " pieces") as advance:
+        plan = pack_pieces(doc, start, length, budget, advance)
     return {"src": starts[plan.doc] + plan.start, "cum": cumulative(plan.length), "bounds": plan.offsets}
 
 
@@ -389,7 +396,9 @@ class PackedTextDataModule(pl.LightningDataModule):
     def _samples(self, store: TokenStore, arrays: dict[str, np.ndarray]) -> Dataset:
         if self.packed:
             return PackedSamples(store.tokens, arrays["src"], arrays["cum"], arrays["bounds"], ignored=store.ignored)
-        return DenseRows(store.tokens, arrays["src"], arrays["cum"], self.tokens_per_sample, store.ignored)
+        return DenseRows(
+            store.tokens, arrays["src"], arrays["cum"], self.tokens_per_sample, store.ignored, arrays["rows"]
+        )
 
     def size_problem(self, num_replicas: int = 1, train: bool = True, val: bool = True) -> str | None:
         """Describe, in one line naming the numbers and what to change, a training split too small for one batch of

@@ -138,7 +138,13 @@ def plan_packs(
 ) -> PackPlan:
     """First-fit packing of documents of ``lengths`` tokens into bins of ``budget`` tokens (longer documents are
     split into pieces, each its own document); within a bin, pieces keep the order they were placed in."""
-    doc, start, length = piece_table(lengths, budget)
+    return pack_pieces(*piece_table(lengths, budget), budget, progress)
+
+
+def pack_pieces(
+    doc: np.ndarray, start: np.ndarray, length: np.ndarray, budget: int, progress: Callable[[int], None] | None = None
+) -> PackPlan:
+    """First-fit packing of the pieces ``(doc, start, length)`` of ``piece_table`` (or some of them)."""
     bins = assign_bins(length, budget, progress)
     order = np.argsort(bins, kind="stable")
     counts = np.bincount(bins, minlength=int(bins.max()) + 1 if bins.size else 0)
@@ -232,6 +238,47 @@ class _Segments:
         return ids, labels
 
 
+def predicts_a_target(first: np.ndarray, length: np.ndarray, ignored: np.ndarray | None) -> np.ndarray:
+    """Whether each span of ``length`` tokens from store position ``first`` (inside one document) has a target the
+    model predicts: a token after the span's first (which nothing precedes) that no ``ignored`` range covers."""
+    begin, end = first + 1, first + length
+    spans = end > begin
+    if ignored is None or ignored.shape[1] == 0:
+        return spans
+    starts, ends = ignored  # sorted, and within a document maximal: one range covers all the span's or not
+    run = np.minimum(np.searchsorted(ends, begin, side="right"), ends.size - 1)
+    covered = (starts[run] <= begin) & (ends[run] >= end)
+    return spans & ~covered
+
+
+def rows_predicting_a_target(src: np.ndarray, cum: np.ndarray, seq_len: int, ignored: np.ndarray | None) -> np.ndarray:
+    """The dense rows of ``seq_len`` tokens, cut from the segments ``src``/``cum`` (whole documents, in store
+    order), that have a target after their first token."""
+    rows = np.arange(int(cum[-1]) // seq_len, dtype=np.int64)
+    if seq_len < 2:
+        return rows[:0]
+    if ignored is None or ignored.shape[1] == 0 or src.size == 0:
+        return rows
+    starts, ends = ignored
+    segment = np.searchsorted(src, starts, side="right") - 1  # the document holding each range, if it is a segment
+    within = (segment >= 0) & (ends <= src[np.maximum(segment, 0)] + np.diff(cum)[np.maximum(segment, 0)])
+    shift = cum[segment[within]] - src[segment[within]]
+    begin, end = starts[within] + shift, ends[within] + shift  # the ranges in the rows' stream, sorted
+    if begin.size == 0:
+        return rows
+    covered = cumulative(end - begin)
+
+    def ignored_before(position: np.ndarray) -> np.ndarray:
+        """How many ignored tokens of the stream lie before each ``position``."""
+        whole = np.searchsorted(end, position, side="right")
+        partial = np.clip(position - begin[np.minimum(whole, begin.size - 1)], 0, None) * (whole < begin.size)
+        return covered[whole] + partial
+
+    first = rows * seq_len + 1
+    ignored_in_row = ignored_before(first + seq_len - 1) - ignored_before(first)
+    return rows[ignored_in_row < seq_len - 1]
+
+
 def ignored_ranges(targets: np.ndarray, offset: int = 0) -> np.ndarray:
     """Return ``(starts, ends)`` (shape ``[2, n]``, plus ``offset``) of the runs of false in a bool target mask."""
     edges = np.diff(np.concatenate([[0], (~targets).astype(np.int8), [0]]))
@@ -267,22 +314,31 @@ class PackedSamples(Dataset):
 
 
 class DenseRows(Dataset):
-    """Rows of ``seq_len`` tokens cut from the documents' concatenated stream (the tail is dropped)."""
+    """Rows of ``seq_len`` tokens cut from the documents' concatenated stream (the tail is dropped); ``rows``: the
+    indices of the rows served (default: all)."""
 
     def __init__(
-        self, tokens: np.ndarray, src: np.ndarray, cum: np.ndarray, seq_len: int, ignored: np.ndarray | None = None
+        self,
+        tokens: np.ndarray,
+        src: np.ndarray,
+        cum: np.ndarray,
+        seq_len: int,
+        ignored: np.ndarray | None = None,
+        rows: np.ndarray | None = None,
     ) -> None:
         _check_budget(seq_len)
         self.segments = _Segments(tokens, src, cum, ignored=ignored)
         self.seq_len = seq_len
+        self.rows = np.arange(self.segments.num_tokens // seq_len, dtype=np.int64) if rows is None else rows
 
     def __len__(self) -> int:
-        return self.segments.num_tokens // self.seq_len
+        return int(self.rows.size)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= index < len(self):
             raise IndexError(f"row {index} of {len(self)}")
-        ids, labels = self.segments.read(index * self.seq_len, (index + 1) * self.seq_len)
+        row = int(self.rows[index])
+        ids, labels = self.segments.read(row * self.seq_len, (row + 1) * self.seq_len)
         return torch.from_numpy(ids), torch.from_numpy(labels)
 
 
