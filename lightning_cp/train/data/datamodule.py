@@ -51,7 +51,7 @@ from lightning_cp.train.data.sources import EMBEDDED, describe_sources, iter_doc
 from lightning_cp.train.data.tokenizer import IGNORE_INDEX, ByteTokenizer, Example, Tokenizer, tokenize_example
 
 CACHE_ENV = "LIGHTNING_CP_DATA_CACHE"
-CACHE_FORMAT = 3  # raised whenever the same sources and tokenizer prepare to other tokens or targets
+CACHE_FORMAT = 4  # raised whenever the same sources and tokenizer prepare to other tokens or targets
 PROGRESS_MIN_BYTES = 16 << 20
 FLUSH_TOKENS = 1 << 23
 SPLITS = ("train", "val")
