@@ -14,7 +14,7 @@ from lightning_cp.core.step import ContextParallelSetting
 from lightning_cp.lightning import state
 from lightning_cp.train import runfolder
 from lightning_cp.train.config import ConfigError, load_config
-from lightning_cp.train.runner import build_trainer, validate
+from lightning_cp.train.runner import build_trainer, load_fitting_weights, validate
 
 
 @pytest.mark.parametrize("error", [OSError("disk full"), TypeError("cannot pickle 'generator' object")])
@@ -144,3 +144,21 @@ def test_a_checkpoint_folder_lacking_weights_cannot_resume_the_optimizer(tmp_pat
     grown = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
     with pytest.raises(RuntimeError, match=r"lacks weights of this module \(\['1\.bias', '1\.weight'\]\)"):
         state.load_distributed(folder, grown, [torch.optim.AdamW(grown.parameters())], strict=False)
+
+
+def test_initial_weights_that_do_not_fit_the_model_are_named_in_one_line() -> None:
+    """Missing, unexpected and differently shaped entries, and two entries the model ties (one tensor) that the
+    checkpoint holds apart: loading them would silently keep whichever came last."""
+    tied = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
+    tied[1].weight = tied[0].weight
+    apart = {"0.weight": torch.randn(5, 3), "1.weight": torch.randn(5, 3)}
+    with pytest.raises(ConfigError, match=r"^checkpoint.init_from=x.ckpt does not fit the model: 0.weight is tied"):
+        load_fitting_weights(tied, apart, "x.ckpt")
+    same = {"0.weight": apart["0.weight"], "1.weight": apart["0.weight"]}
+    load_fitting_weights(tied, same, "x.ckpt")
+    assert torch.equal(tied[1].weight, same["0.weight"])
+    other = {"0.weight": torch.randn(6, 3), "2.weight": torch.randn(1)}
+    with pytest.raises(
+        ConfigError, match=r"fit the model: missing 1.weight; unexpected 2.weight; 0.weight is \[6, 3\] "
+    ):
+        load_fitting_weights(tied, other, "x.ckpt")

@@ -96,8 +96,35 @@ def build_model(cfg: DictConfig) -> CausalLMModule:
     if cfg.checkpoint.init_from and state.is_distributed_checkpoint(cfg.checkpoint.init_from):
         state.load_distributed_weights(model, cfg.checkpoint.init_from)
     elif cfg.checkpoint.init_from:
-        model.load_state_dict(load_checkpoint_meta(cfg.checkpoint.init_from)["state_dict"])
+        load_fitting_weights(
+            model, load_checkpoint_meta(cfg.checkpoint.init_from)["state_dict"], cfg.checkpoint.init_from
+        )
     return model
+
+
+def load_fitting_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], path: str) -> None:
+    """Load a checkpoint's ``weights`` into ``model``, or raise ``ConfigError`` in one line naming what does not
+    fit: missing, unexpected or differently shaped entries, and entries the model ties together (one tensor) that
+    the checkpoint holds as different tensors (the last loaded would silently win)."""
+    own = model.state_dict()
+    problems = [f"missing {name}" for name in sorted(own.keys() - weights.keys())]
+    problems += [f"unexpected {name}" for name in sorted(weights.keys() - own.keys())]
+    problems += [
+        f"{name} is {list(weights[name].shape)} in the checkpoint but {list(own[name].shape)} in the model"
+        for name in sorted(own.keys() & weights.keys())
+        if own[name].shape != weights[name].shape
+    ]
+    if not problems:
+        model.load_state_dict(weights)
+        loaded = model.state_dict()
+        problems = [
+            f"{name} is tied to another weight in the model but not in the checkpoint"
+            for name in sorted(weights)
+            if not torch.equal(loaded[name], weights[name].to(loaded[name].dtype))
+        ]
+    if problems:
+        shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+        raise ConfigError(f"checkpoint.init_from={path} does not fit the model: {shown}")
 
 
 def build_strategy(cfg: DictConfig) -> CPZigzagStrategy:
