@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from lightning_cp import cp_attention, cp_cross_entropy
+from lightning_cp import cp_attention, cp_cross_entropy, cp_previous_tokens
 from lightning_cp.core import comm
 from lightning_cp.core.step import active_step
 
@@ -92,25 +92,9 @@ class RecurrentBlock(nn.Module):
     def forward(self, h: torch.Tensor, *, position_ids: torch.Tensor) -> torch.Tensor:
         """Return ``h + tanh(mix(previous token))`` where the previous token is in the same document."""
         self.owner[0].record_layout(self, position_ids)
-        previous = torch.cat([previous_rank_last_token(h), h[:, :-1]], dim=1)
+        previous = torch.cat([cp_previous_tokens(h), h[:, :-1]], dim=1)
         same_document = (position_ids > 0).unsqueeze(-1).to(h.dtype)
         return h + torch.tanh(self.mix(previous)) * same_document
-
-
-def previous_rank_last_token(h: torch.Tensor) -> torch.Tensor:
-    """Return the last token of the previous CP rank's contiguous shard (zeros on the first rank), differentiably.
-
-    Every rank sends to the next around the ring, so every rank takes part in the backward all-to-all too.
-    """
-    step = active_step()
-    if step is None or step.cp_size == 1:
-        return torch.zeros_like(h[:, :1])
-    rank, size = comm.group_rank(step.cp_group), step.cp_size
-    rows = h.shape[0]
-    send = [rows if peer == (rank + 1) % size else 0 for peer in range(size)]
-    receive = [rows if peer == (rank - 1) % size else 0 for peer in range(size)]
-    received = comm.all_to_all_v(h[:, -1].contiguous(), receive, send, step.cp_group)
-    return received.unsqueeze(1) * float(rank > 0)
 
 
 class TinyTransformer(pl.LightningModule):

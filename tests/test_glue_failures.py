@@ -130,6 +130,18 @@ def test_a_checkpoint_folder_loads_non_strictly_into_a_module_with_more_paramete
         state.load_distributed(folder, nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2)), [], strict=True)
 
 
+def test_full_weights_lacking_some_of_the_module_are_refused_when_strict() -> None:
+    """A checkpoint file's full weights into a module with more: strict names the missing ones (torch's full-state
+    loading checks only extra ones), non-strict loads what the file holds."""
+    torch.manual_seed(0)
+    saved = nn.Sequential(nn.Linear(3, 2))
+    grown = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+    with pytest.raises(RuntimeError, match=r"missing \['1\.bias', '1\.weight'\] \(set the module's strict_loading"):
+        state.load_model_state(grown, saved.state_dict(), strict=True)
+    state.load_model_state(grown, saved.state_dict(), strict=False)
+    assert torch.equal(grown[0].weight, saved[0].weight)
+
+
 def test_a_checkpoint_folder_lacking_weights_cannot_resume_the_optimizer(tmp_path: Path) -> None:
     """Non-strict, with optimizer state saved: the folder's state is not this module's optimizer's, a clear error
     (DCP's own is a ``BaseException``, which ``except Exception`` misses)."""

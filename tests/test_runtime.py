@@ -6,7 +6,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_cp import ContextParallelRuntime, ContextParallelSetting, LayerPolicy, cp_cross_entropy
+from lightning_cp import (
+    ContextParallelRuntime,
+    ContextParallelSetting,
+    LayerPolicy,
+    cp_cross_entropy,
+    cp_previous_tokens,
+)
 from lightning_cp.core.mesh import ParallelDims, build_context_parallel_mesh
 from lightning_cp.core.step import active_step
 from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
@@ -184,3 +190,26 @@ def test_labels_none_means_the_input_ids():
     batch = {"input_ids": ids, "labels": None}
     with runtime.step(batch):
         assert batch["labels"].tolist() == [[1, 4, 1, 5, -100]]
+
+
+def _previous_tokens(count: int, boundary: str) -> tuple[list[list[float]], list[list[float]]]:
+    """On contiguous shards of one dense row of 12 tokens (value = position), the ``count`` tokens before each rank's
+    shard, and the gradient a sum of them sends back to the shards."""
+    mesh = build_context_parallel_mesh("cpu", ParallelDims(1, dist.get_world_size(), 1))
+    runtime = ContextParallelRuntime(ContextParallelSetting(mesh, boundary_layout=boundary))
+    batch = {"input_ids": torch.arange(12).unsqueeze(0), "labels": torch.arange(12).unsqueeze(0)}
+    with runtime.step(batch):
+        shard = batch["input_ids"].double().unsqueeze(-1).requires_grad_()
+        before = cp_previous_tokens(shard, count)
+        (before * torch.arange(1.0, count + 1).view(1, count, 1)).sum().backward()
+    return before.flatten().tolist(), shard.grad.flatten().tolist()
+
+
+def test_the_tokens_before_a_contiguous_shard_come_from_the_previous_rank() -> None:
+    """Three ranks of four tokens: rank r > 0 gets positions 4r - count .. 4r - 1, rank 0 zeros; the gradient of
+    token j of a shard's tail is the weight its next rank gave it (none for the last rank's tail)."""
+    ranks = run_on_ranks(_previous_tokens, 3, 3, "contiguous")
+    assert [before for before, _ in ranks] == [[0.0, 0.0, 0.0], [1.0, 2.0, 3.0], [5.0, 6.0, 7.0]]
+    assert [grad for _, grad in ranks] == [[0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0], [0.0, 0.0, 0.0, 0.0]]
+    assert_same_error_on_every_rank(_previous_tokens, 2, 1, "zigzag", match="needs the contiguous layout")
+    assert_same_error_on_every_rank(_previous_tokens, 3, 5, "contiguous", match="5 tokens asked, but a rank holds")

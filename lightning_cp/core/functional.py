@@ -118,3 +118,31 @@ def cp_gather_sequence(tensor: torch.Tensor) -> torch.Tensor:
         shards = comm.all_gather_stack(contiguous.transpose(0, 1), group)  # [ranks, S / ranks, B, ...]
         tensor = shards.flatten(0, 1).transpose(0, 1)
     return tensor[:, : step.sequence_length]
+
+
+def cp_previous_tokens(hidden_states: torch.Tensor, count: int = 1) -> torch.Tensor:
+    """Return the ``count`` tokens that precede this rank's contiguous shard ``[B, S_local, ...]`` in the sequence:
+    ``[B, count, ...]`` from the end of the previous CP rank's shard (zeros on the first rank, at cp=1 or without an
+    active step), differentiably. What a token shift, a causal convolution (``count`` = kernel - 1) or a recurrence
+    needs from across the shard boundary; call it in a block that runs on contiguous shards, and mask what lies
+    before a document's start with ``position_ids``, as on one device."""
+    rows, local = hidden_states.shape[0], hidden_states.shape[1]
+    step = active_step()
+    zeros = hidden_states.new_zeros((rows, count, *hidden_states.shape[2:]))
+    if step is None or step.cp_size == 1:
+        return zeros
+    if step.current_layout != CPLayout.CONTIGUOUS:
+        raise ValueError(
+            f"cp_previous_tokens needs the contiguous layout, but this block runs in {step.current_layout.value}: "
+            "name it in contiguous_layers"
+        )
+    if count > local:
+        raise ValueError(f"cp_previous_tokens: {count} tokens asked, but a rank holds only {local} of the sequence")
+    rank, size = comm.group_rank(step.cp_group), step.cp_size
+    tail = hidden_states[:, local - count :].reshape(rows * count, *hidden_states.shape[2:])
+    send = [tail.shape[0] if peer == (rank + 1) % size else 0 for peer in range(size)]
+    receive = [tail.shape[0] if peer == (rank - 1) % size else 0 for peer in range(size)]
+    received = comm.all_to_all_v(tail.contiguous(), receive, send, step.cp_group).view(zeros.shape)
+    if rank == 0:  # it sends too (to rank 1), and so takes part in the backward's all-to-all as well
+        received = received.masked_fill(torch.ones((), dtype=torch.bool, device=received.device), 0)
+    return received

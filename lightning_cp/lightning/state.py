@@ -56,7 +56,15 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, full: b
 
 
 def load_model_state(module: nn.Module, state: Mapping[str, Any], strict: bool = True) -> None:
-    """Load full tensors (held by every rank) into the module, cutting this rank's shard of every DTensor."""
+    """Load full tensors (held by every rank) into the module, cutting this rank's shard of every DTensor; with
+    ``strict``, weights the module has and the file lacks are refused as extra ones are (torch checks only these)."""
+    missing = sorted(module.state_dict().keys() - state.keys())
+    if strict and missing:
+        raise RuntimeError(
+            f"the checkpoint does not hold this module's weights: missing {missing[:5]}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            + " (set the module's strict_loading = False to load the ones it holds)"
+        )
     set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
