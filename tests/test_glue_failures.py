@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_cp.core.mesh import ContextParallelMesh
@@ -35,7 +36,7 @@ def test_a_failure_on_global_rank_0_reaches_every_rank(error: Exception) -> None
 def test_a_count_of_step_checkpoints_keeps_the_newest() -> None:
     """``checkpoint.save_top_k: 3`` builds a Trainer (Lightning needs a quantity to rank by: the step, newest kept)."""
     trainer = build_trainer(load_config(None, ["checkpoint.save_top_k=3"]), Path("unused"), log=False)
-    (checkpoint,) = [cb for cb in trainer.callbacks if type(cb).__name__ == "ModelCheckpoint"]
+    (checkpoint,) = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
     assert (checkpoint.save_top_k, checkpoint.monitor, checkpoint.mode) == (3, "step", "max")
 
 
