@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy
 from lightning_cp.hf import HFCausalLM
+from lightning_cp.lightning.hf import _no_mask
 from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
 from tests.model_helpers import ATTENTION, POLICY, TRAINER_OPTIONS, TinyTransformer, packed_batches
 
@@ -227,6 +228,15 @@ def test_a_model_that_bypasses_cp_attention_fails_on_every_rank():
     )
 
 
+def test_a_model_that_bypasses_cp_attention_refuses_a_packed_batch_on_one_device():
+    """At cp=1 too: its own attention would attend across the packed documents (Bloom's, MPT's, RWKV's do)."""
+    module = HFCausalLM(tiny_model("llama"))
+    module.model.set_attn_implementation("sdpa")
+    with pytest.raises(RuntimeError, match="a packed batch but the model's attn_implementation is 'sdpa'"):
+        module._loss(dict(make_batches("packed", 1)[0][0]))
+    module._loss(dict(make_batches("dense", 1)[0][0]))  # one document per row: its own attention is right
+
+
 def _shard_local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=True).transpose(1, 2)
 
@@ -311,6 +321,21 @@ INEXACT = {  # a model feature the "lightning_cp" attention cannot reproduce on 
         lambda: _llama4(attention_chunk_size=None, attn_temperature_tuning=True, no_rope_layers=[1, 0]),
         "attn_temperature_tuning on NoPE layers",
     ),
+    "longrope past its original length": (
+        lambda: transformers.Phi3Config(
+            **SMALL, pad_token_id=None, original_max_position_embeddings=4,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 4,
+                             "short_factor": [1.0] * 4, "long_factor": [1.0, 2.0, 4.0, 8.0]},
+        ),
+        r"rope_type=longrope\) by the longest position of the row it is given, past 4 tokens",
+    ),
+    "dynamic rope past its length": (
+        lambda: transformers.LlamaConfig(
+            **{**SMALL, "max_position_embeddings": 4},
+            rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
+        ),
+        r"rope_type=dynamic\) .* past 4 tokens",
+    ),
     "lfm2 convolutions": (
         lambda: transformers.Lfm2Config(
             **SMALL, layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False
@@ -329,6 +354,21 @@ def test_a_model_feature_that_cannot_be_exact_is_refused(case):
     model = transformers.AutoModelForCausalLM.from_config(config()).double()
     with pytest.raises(ValueError, match=named):
         HFCausalLM(model)._loss(dict(make_batches("packed", 1)[0][0]))
+
+
+def test_a_sliding_mask_no_layer_uses_is_no_refusal():
+    """Qwen2-MoE as released (``use_sliding_window=False``, ``sliding_window=0``) and configs whose layers are all
+    full attention still build a sliding mask; only a window some layer uses is refused."""
+    unused = [
+        transformers.Qwen2MoeConfig(**SMALL, use_sliding_window=False, sliding_window=4),
+        transformers.Gemma3TextConfig(**SMALL, sliding_window=4, layer_types=["full_attention"] * 2),
+    ]
+    for config in unused:
+        _no_mask(kv_length=12, local_size=4, config=config)
+    _no_mask(kv_length=12, local_size=0, config=None)
+    used = transformers.Gemma3TextConfig(**SMALL, sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(ValueError, match="local window of 4 tokens"):
+        _no_mask(kv_length=12, local_size=4, config=used)
 
 
 def _hybrid_model_at_cp2() -> None:

@@ -213,3 +213,30 @@ def test_the_tokens_before_a_contiguous_shard_come_from_the_previous_rank() -> N
     assert [grad for _, grad in ranks] == [[0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0], [0.0, 0.0, 0.0, 0.0]]
     assert_same_error_on_every_rank(_previous_tokens, 2, 1, "zigzag", match="needs the contiguous layout")
     assert_same_error_on_every_rank(_previous_tokens, 3, 5, "contiguous", match="5 tokens asked, but a rank holds")
+
+
+class _TokenInputBlock(torch.nn.Module):
+    """A block that takes a per-token tensor positionally (as Gemma 4 does its per-layer input)."""
+
+    def forward(self, h: torch.Tensor, per_token: torch.Tensor) -> torch.Tensor:
+        return h + per_token
+
+
+def _per_token_positional_input() -> None:
+    mesh = build_context_parallel_mesh("cpu", ParallelDims(1, dist.get_world_size(), 1))
+    model = torch.nn.ModuleDict({"block": _TokenInputBlock()})
+    runtime = ContextParallelRuntime(ContextParallelSetting(mesh), LayerPolicy(zigzag_layers=("*TokenInputBlock",)))
+    runtime.wrap(model)
+    batch = {"input_ids": torch.arange(8).unsqueeze(0), "labels": torch.arange(8).unsqueeze(0)}
+    with runtime.step(batch):
+        h = batch["input_ids"].double().unsqueeze(-1)
+        model["block"](h, h * 2)
+
+
+def test_a_per_token_positional_input_to_a_converted_layer_is_refused() -> None:
+    """Only keyword side inputs are converted: a per-token tensor passed positionally would meet the hidden states in
+    another token order, so it is refused on every rank, naming the way out."""
+    assert_same_error_on_every_rank(
+        _per_token_positional_input, 2, match="takes a per-token tensor as positional argument 1; it would stay in "
+        "the contiguous layout while the layer runs in zigzag: pass it as a keyword named in side_inputs",
+    )  # fmt: skip

@@ -91,6 +91,24 @@ def select_layers(
     return selected
 
 
+def _refuse_positional_token_inputs(
+    layer_index: int, module: nn.Module, args: tuple[Any, ...], outside: CPLayout, inside: CPLayout
+) -> None:
+    """Raise for a per-token tensor (``[B, S, ...]`` as the hidden states are) among a wrapped layer's positional
+    arguments after the first: only keyword side inputs are converted, so it would meet the hidden states in another
+    token order (Gemma 3n's and Gemma 4's per-layer inputs and rotary tables, a residual passed alongside)."""
+    tokens = args[0].shape[:2]
+    for position, arg in enumerate(args[1:], start=1):
+        parts = arg if isinstance(arg, (tuple, list)) else (arg,)
+        if any(isinstance(part, torch.Tensor) and part.dim() >= 2 and part.shape[:2] == tokens for part in parts):
+            raise ValueError(
+                f"layer {layer_index} ({type(module).__name__}) takes a per-token tensor as positional argument "
+                f"{position}; it would stay in the {outside.value} layout while the layer runs in {inside.value}: pass "
+                f"it as a keyword named in side_inputs, or set boundary_layout={inside.value!r} so that nothing is "
+                "converted"
+            )
+
+
 def _converted_side_input(step: ContextParallelStep, name: str, value: Any, layout: CPLayout) -> Any:
     """Convert a per-token side input: a tensor, or a tuple/list of them (Hugging Face's rotary ``(cos, sin)``)."""
     if isinstance(value, torch.Tensor):
@@ -248,6 +266,8 @@ class ContextParallelRuntime:
                 hidden_states.register_hook(lambda grad: step.leave_in_backward(layer_index))
                 step.marked_layers.add(layer_index)
             hidden_states = step.enter_layer(layer_index, layout, hidden_states)
+            if hidden_states is not args[0]:  # converted: per-token positional arguments would not be
+                _refuse_positional_token_inputs(layer_index, module, args, step.boundary_layout, layout)
             converted = {
                 name: _converted_side_input(step, name, kwargs[name], layout)
                 for name in side_inputs

@@ -72,12 +72,39 @@ def _no_mask(
     is a local window (a sliding window only the mask carries, chunked attention) that a document outgrows."""
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         raise ValueError("attention_mask masks tokens out (padding); pack documents into one row instead")
-    if local_size is not None and (longest := _longest_document(kwargs.get("kv_length", 0))) > local_size:
+    if not local_size or not _has_local_layers(kwargs.get("config")):
+        return  # no window (Qwen2-MoE's 0), or a sliding mask the model builds but no layer of it uses
+    if (longest := _longest_document(kwargs.get("kv_length", 0))) > local_size:
         raise ValueError(
             f"attention_implementation='{ATTENTION_NAME}' cannot compute a local window of {local_size} tokens "
             f"(sliding_window or attention_chunk_size) over a document of {longest} tokens exactly; turn it off in "
             "the model config or keep documents within it"
         )
+
+
+def _has_local_layers(config: Any) -> bool:
+    """Whether a layer of ``config`` attends within a local window (without a config: assume so)."""
+    if config is None:
+        return True
+    text = config.get_text_config()
+    if getattr(text, "use_sliding_window", True) is False:
+        return False
+    layer_types = getattr(text, "layer_types", None)
+    return not layer_types or any(kind in ("sliding_attention", "chunked_attention") for kind in layer_types)
+
+
+def _rope_length_limit(config: Any) -> tuple[str, int] | None:
+    """The rotary type and length past which a model rescales its rotary frequencies by the longest position of the
+    row it is given (``longrope``'s long factors, ``dynamic`` NTK), or None."""
+    text = config.get_text_config()
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if kind == "longrope":
+        limit = rope.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings", None)
+        return kind, int(limit or text.max_position_embeddings)
+    if kind == "dynamic":
+        return kind, int(text.max_position_embeddings)
+    return None
 
 
 AttentionInterface.register(ATTENTION_NAME, lightning_cp_attention)
@@ -192,12 +219,22 @@ class HFCausalLM(CausalLMModule):
         if step is None:
             return
         implementation = self.model.config._attn_implementation
-        if step.cp_size > 1 and implementation != ATTENTION_NAME:
-            raise RuntimeError(
-                f"cp={step.cp_size} but the model's attn_implementation is {implementation!r}, not "
-                f"{ATTENTION_NAME!r}: the forward would make no cp_attention call and attend within each shard only"
-            )
         packed = step.contiguous_packed_seq_params is not None
+        if (step.cp_size > 1 or packed) and implementation != ATTENTION_NAME:
+            where = f"cp={step.cp_size}" if step.cp_size > 1 else "a packed batch"
+            raise RuntimeError(
+                f"{where} but the model's attn_implementation is {implementation!r}, not {ATTENTION_NAME!r}: the "
+                "forward would make no cp_attention call and attend within each shard only, or across the packed "
+                "documents"
+            )
+        rope = _rope_length_limit(self.model.config) if step.cp_size > 1 or packed else None
+        if rope is not None and (longest := _longest_document(0)) > rope[1]:
+            raise ValueError(
+                f"{type(self.model).__name__} rescales its rotary frequencies (rope_type={rope[0]}) by the longest "
+                f"position of the row it is given, past {rope[1]} tokens; a document of {longest} tokens under "
+                f"{f'cp={step.cp_size}' if step.cp_size > 1 else 'a packed batch'} would be rescaled otherwise than "
+                f"alone on one device: keep documents within {rope[1]} tokens, or train at cp=1 on one document per row"
+            )
         problems = _row_order_problems(self.model.config) if step.cp_size > 1 or packed else []
         if problems:
             raise ValueError(
