@@ -17,8 +17,8 @@ class ResumableSampler(Sampler[int]):
     samples of its stream, which is how a resumed run continues with the same data order, also at another
     data-parallel size: no sample of the epoch is repeated or left out.
 
-    Pass ``p`` of epoch ``e`` is shuffled with ``seed + e * passes + p``: with one pass per epoch, epoch ``e`` is the
-    pass epoch 0 of more passes holds at ``e``. ``follows_epochs=False`` keeps the sampler on the epoch ``resume``
+    Pass ``p`` of epoch ``e`` is shuffled with ``seed + e * passes + p``, so with one pass per epoch, epoch ``e`` has
+    the order of pass ``e`` of an epoch of several. ``follows_epochs=False`` keeps the sampler on the epoch ``resume``
     gave whatever epoch Lightning starts: ``max_steps`` alone reads one stream of passes, and a finished run extended
     with more steps, for which Lightning starts a new epoch, continues it.
 
