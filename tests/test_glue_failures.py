@@ -175,3 +175,23 @@ def test_initial_weights_that_do_not_fit_the_model_are_named_in_one_line() -> No
         ConfigError, match=r"fit the model: missing 1.weight; unexpected 2.weight; 0.weight is \[6, 3\] "
     ):
         load_fitting_weights(tied, other, "x.ckpt")
+
+
+def test_a_checkpoint_folder_of_untied_weights_is_refused_by_a_module_that_ties_them(tmp_path: Path) -> None:
+    """``init_from`` a folder: two entries the module ties (one tensor) but the folder holds apart would load
+    silently as whichever came last; they are named. The untied module it was saved from loads it exactly."""
+    torch.manual_seed(0)
+    untied = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
+    folder = tmp_path / "last.ckpt"
+    state.save_distributed({"state_dict": state.model_state(untied, full=False)}, folder, True, lambda outcome: outcome)
+    tied = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
+    tied[1].weight = tied[0].weight
+    with pytest.raises(
+        ValueError, match=r"holds 1.weight apart from the weights this module ties them to \(0.weight\)"
+    ):
+        state.load_distributed_weights(tied, folder)
+    again = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
+    state.load_distributed_weights(again, folder)
+    assert all(
+        torch.equal(a, b) for a, b in zip(again.state_dict().values(), untied.state_dict().values(), strict=True)
+    )

@@ -192,7 +192,18 @@ def _weight_differences(names: set[str], saved: Mapping[str, Any]) -> tuple[list
 
 
 def load_distributed_weights(module: nn.Module, path: str | Path) -> None:
-    """Load the weights of a checkpoint folder into an unsharded module, in one process (``init_from``)."""
-    state = {"state_dict": module.state_dict()}
-    dcp.load(state, checkpoint_id=Path(path), no_dist=True)
-    module.load_state_dict(state["state_dict"])
+    """Load the weights of a checkpoint folder into an unsharded module, in one process (``init_from``); weights the
+    module ties together (one tensor) that the folder holds as different tensors are refused, naming them."""
+    own = module.state_dict()
+    first_of: dict[int, str] = {}
+    weights = {}
+    for name, tensor in own.items():  # a tied entry gets a buffer of its own, to compare with the first
+        weights[name] = tensor if first_of.setdefault(tensor.data_ptr(), name) == name else tensor.clone()
+    dcp.load({"state_dict": weights}, checkpoint_id=Path(path), no_dist=True)
+    apart = [name for name, tensor in weights.items() if tensor is not own[name] and not torch.equal(tensor, own[name])]
+    if apart:
+        raise ValueError(
+            f"checkpoint folder {path} holds {', '.join(apart)} apart from the weights this module ties them to "
+            f"({', '.join(first_of[own[name].data_ptr()] for name in apart)}): it is another model's"
+        )
+    module.load_state_dict(own)
