@@ -127,10 +127,10 @@ def cp_previous_tokens(hidden_states: torch.Tensor, count: int = 1) -> torch.Ten
     needs from across the shard boundary; call it in a block that runs on contiguous shards, and mask what lies
     before a document's start with ``position_ids``, as on one device."""
     rows, local = hidden_states.shape[0], hidden_states.shape[1]
+    shape = (rows, count, *hidden_states.shape[2:])
     step = active_step()
-    zeros = hidden_states.new_zeros((rows, count, *hidden_states.shape[2:]))
     if step is None or step.cp_size == 1:
-        return zeros
+        return hidden_states.new_zeros(shape)
     if step.current_layout != CPLayout.CONTIGUOUS:
         raise ValueError(
             f"cp_previous_tokens needs the contiguous layout, but this block runs in {step.current_layout.value}: "
@@ -142,7 +142,7 @@ def cp_previous_tokens(hidden_states: torch.Tensor, count: int = 1) -> torch.Ten
     tail = hidden_states[:, local - count :].reshape(rows * count, *hidden_states.shape[2:])
     send = [tail.shape[0] if peer == (rank + 1) % size else 0 for peer in range(size)]
     receive = [tail.shape[0] if peer == (rank - 1) % size else 0 for peer in range(size)]
-    received = comm.all_to_all_v(tail.contiguous(), receive, send, step.cp_group).view(zeros.shape)
+    received = comm.all_to_all_v(tail.contiguous(), receive, send, step.cp_group).view(shape)
     if rank == 0:  # it sends too (to rank 1), and so takes part in the backward's all-to-all as well
         received = received.masked_fill(torch.ones((), dtype=torch.bool, device=received.device), 0)
     return received

@@ -220,27 +220,28 @@ class HFCausalLM(CausalLMModule):
             return
         implementation = self.model.config._attn_implementation
         packed = step.contiguous_packed_seq_params is not None
-        if (step.cp_size > 1 or packed) and implementation != ATTENTION_NAME:
-            where = f"cp={step.cp_size}" if step.cp_size > 1 else "a packed batch"
+        if step.cp_size == 1 and not packed:
+            return  # one document per row on one device: the model computes what it would alone
+        where = f"cp={step.cp_size}" if step.cp_size > 1 else "a packed batch"
+        if implementation != ATTENTION_NAME:
             raise RuntimeError(
                 f"{where} but the model's attn_implementation is {implementation!r}, not {ATTENTION_NAME!r}: the "
                 "forward would make no cp_attention call and attend within each shard only, or across the packed "
                 "documents"
             )
-        rope = _rope_length_limit(self.model.config) if step.cp_size > 1 or packed else None
+        rope = _rope_length_limit(self.model.config)
         if rope is not None and (longest := _longest_document(0)) > rope[1]:
             raise ValueError(
                 f"{type(self.model).__name__} rescales its rotary frequencies (rope_type={rope[0]}) by the longest "
                 f"position of the row it is given, past {rope[1]} tokens; a document of {longest} tokens under "
-                f"{f'cp={step.cp_size}' if step.cp_size > 1 else 'a packed batch'} would be rescaled otherwise than "
-                f"alone on one device: keep documents within {rope[1]} tokens, or train at cp=1 on one document per row"
+                f"{where} would be rescaled otherwise than alone on one device: keep documents within {rope[1]} "
+                "tokens, or train at cp=1 on one document per row"
             )
-        problems = _row_order_problems(self.model.config) if step.cp_size > 1 or packed else []
+        problems = _row_order_problems(self.model.config)
         if problems:
             raise ValueError(
                 f"{type(self.model).__name__} computes {' and '.join(problems)} from its row's own token order, which "
-                f"{f'cp={step.cp_size}' if step.cp_size > 1 else 'a packed batch'} breaks; train it at cp=1 on one "
-                "document per row"
+                f"{where} breaks; train it at cp=1 on one document per row"
             )
 
     @override

@@ -433,8 +433,7 @@ def data_parallel_replicas(cfg: DictConfig) -> int:
 
 def prepare_data_first(cfg: DictConfig, datamodule: PackedTextDataModule, stage: str) -> None:
     """Prepare the data once per node, in its first process, before any other rank starts (they load it), and
-    refuse a split too small for one batch as one line."""
-    check_data_sources(cfg)
+    refuse a split too small for one batch as one line (the data sources were checked first, by the caller)."""
     if int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))) != 0:
         return
     datamodule.load()
