@@ -131,6 +131,19 @@ def test_chunked_loss_in_bfloat16_stays_within_bfloat16_rounding() -> None:
         assert (got.grad.double() - want.grad).norm() <= 1e-2 * want.grad.norm()
 
 
+def test_loss_of_bfloat16_logits_sums_in_float32() -> None:
+    """bf16 logits (``bf16-true``): the whole-logits loss is summed in float32, as Hugging Face's loss and
+    cross-entropy under autocast are, so it is the float64 loss of the same logits to float32's rounding (a bf16 sum
+    is off by about 1e-2 relative)."""
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(1, 512, 64, generator=generator).mul(3).to(torch.bfloat16)
+    labels = torch.randint(0, 64, (1, 512), generator=generator)
+    result = cp_cross_entropy(logits, labels, 512)
+    assert result.loss.dtype == torch.float32
+    expected = F.cross_entropy(logits[0].double(), labels[0])
+    assert abs(result.loss.double() - expected) <= 1e-6 * expected
+
+
 @pytest.mark.parametrize("head_kind", ["linear", "linear-bias-scaled", "tanh"])
 def test_chunked_loss_reuses_logits_only_when_the_head_does_not_keep_them(head_kind) -> None:
     """The backward overwrites a linear head's logits with their gradient; a head whose backward needs its output

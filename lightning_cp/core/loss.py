@@ -106,9 +106,14 @@ class _ChunkLossSum(torch.autograd.Function):
 
 
 def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum the cross-entropy of the valid targets (``-100`` ignored; int32 labels, such as shifted int32 ids, too)."""
+    """Sum the cross-entropy of the valid targets (``-100`` ignored; int32 labels, such as shifted int32 ids, too), in
+    float32 at least: bf16 logits are upcast, as Hugging Face's loss and cross-entropy under autocast do."""
+    accumulate = torch.promote_types(logits.dtype, torch.float32)
     return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).long(), ignore_index=IGNORE_INDEX, reduction="sum"
+        logits.reshape(-1, logits.shape[-1]).to(accumulate),
+        labels.reshape(-1).long(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
     )
 
 
