@@ -437,3 +437,37 @@ def test_auto_mode_reads_the_head_counts_of_a_wrapped_hf_model():
     from lightning_cp.core.attention.cost import model_head_counts
 
     assert model_head_counts(HFCausalLM(tiny_model("llama"))) == (4, 2)
+
+
+def test_a_model_loaded_from_a_folder_trains_in_train_mode(tmp_path):
+    """``from_pretrained`` returns a model in evaluation mode, which Lightning keeps: ``HFCausalLM`` switches it to
+    training mode, as the Hugging Face Trainer does, so gradient checkpointing and the dropout refusal apply; a model
+    given with some parts already in training mode keeps its frozen parts in evaluation mode."""
+    tiny_model("llama").save_pretrained(tmp_path)
+    from_folder = HFCausalLM(str(tmp_path), gradient_checkpointing=True)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert not loaded.training
+    for module in (from_folder, HFCausalLM(loaded)):
+        assert all(part.training for part in module.model.modules())
+    partly_frozen = tiny_model("llama")
+    partly_frozen.model.embed_tokens.eval()
+    assert not HFCausalLM(partly_frozen).model.model.embed_tokens.training
+    with_dropout = HFCausalLM(str(tmp_path), attention_dropout=0.1)
+    with pytest.raises(ValueError, match="cannot compute dropout=0.1"):
+        with_dropout._loss(dict(make_batches("packed", 1)[0][0]))
+
+
+def test_outside_a_step_the_model_computes_what_hugging_face_sdpa_computes():
+    """After training (no CP step active) the wrapped model is the unmodified one: cached generation, a left-padded
+    batch and a plain forward equal the same weights under HF's own ``sdpa``."""
+    reference = tiny_model("llama").eval()
+    wrapped = HFCausalLM(tiny_model("llama")).model.eval()
+    ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        for options in ({}, {"attention_mask": mask}):
+            expected = reference.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, **options)
+            got = wrapped.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, **options)
+            assert torch.equal(got, expected)
+        assert torch.allclose(wrapped(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits)

@@ -1,8 +1,9 @@
 """Hugging Face causal LMs under ``cp_zigzag``, unmodified: the ``"lightning_cp"`` attention and ``HFCausalLM``.
 
 Importing this module registers ``"lightning_cp"`` with ``transformers.AttentionInterface`` (and a mask function
-that builds no mask: documents come from the step). The attention maps Hugging Face's ``[B, H, S, D]`` to
-``cp_attention`` and raises on what it cannot do exactly. Needs ``pip install lightning_cp[hf]``.
+that builds no mask: documents come from the step). Under a step the attention maps Hugging Face's ``[B, H, S, D]``
+to ``cp_attention`` and raises on what it cannot do exactly; outside one, attention and mask are Hugging Face's
+``sdpa``. Needs ``pip install lightning_cp[hf]``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedModel
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from typing_extensions import override
 
 from lightning_cp.core.functional import cp_attention
@@ -36,7 +38,12 @@ def lightning_cp_attention(
     """Hugging Face attention signature over ``cp_attention``: ``[B, H, S, D]`` in, ``[B, S, H, D]`` out.
 
     A ``sliding_window`` is exact while no document is longer than it (it then hides nothing): Mistral-style configs
-    train on such documents as they are."""
+    train on such documents as they are. Outside a step (generation, plain inference after training) it is Hugging
+    Face's own ``sdpa``, masks and KV cache included."""
+    if active_step() is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     window, longest = kwargs.get("sliding_window"), _longest_document(query.shape[2])
     unsupported = {
         "an attention_mask (padding or custom 4-D masks; pack documents instead)": attention_mask is not None,
@@ -68,7 +75,7 @@ def _longest_document(local_length: int) -> int:
 def _no_mask(
     *args: Any, attention_mask: torch.Tensor | None = None, local_size: int | None = None, **kwargs: Any
 ) -> None:
-    """Mask function of ``"lightning_cp"``: no mask (documents come from the step); padding masks are an error, and so
+    """Mask of ``"lightning_cp"`` under a step: none (documents come from the step); padding masks are an error, and so
     is a local window (a sliding window only the mask carries, chunked attention) that a document outgrows."""
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         raise ValueError("attention_mask masks tokens out (padding); pack documents into one row instead")
@@ -107,8 +114,13 @@ def _rope_length_limit(config: Any) -> tuple[str, int] | None:
     return None
 
 
+def _step_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """Mask function of ``"lightning_cp"``: none under a step (``_no_mask``), Hugging Face's ``sdpa`` mask outside."""
+    return _no_mask(*args, **kwargs) if active_step() is not None else sdpa_mask(*args, **kwargs)
+
+
 AttentionInterface.register(ATTENTION_NAME, lightning_cp_attention)
-AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+AttentionMaskInterface.register(ATTENTION_NAME, _step_mask)
 
 _TOKEN_WISE_LAYER_TYPES = frozenset(
     {"full_attention", "sliding_attention", "chunked_attention", "attention", "moe", "mlp"}
@@ -147,7 +159,8 @@ class HFCausalLM(CausalLMModule):
     Args:
         model_or_path: a model instance, or a local folder (or hub name) for ``from_pretrained``.
         lr, weight_decay, betas, warmup_steps, min_lr_ratio: AdamW with linear warm-up and cosine decay.
-        gradient_checkpointing: call the model's ``gradient_checkpointing_enable()``.
+        gradient_checkpointing: call the model's ``activation_checkpointing_enable()``
+            (``gradient_checkpointing_enable()`` in transformers releases without it).
         loss_chunk_tokens: above 0, the loss makes the logits this many tokens at a time from the decoder's hidden
             states (``cp_chunked_cross_entropy``), so the ``tokens x vocab`` logits never exist at once. A model whose
             forward changes its logits after the output projection (soft-capping, scaling) is refused at the first
@@ -155,8 +168,9 @@ class HFCausalLM(CausalLMModule):
         **from_pretrained: keyword arguments of ``from_pretrained``; ``dtype`` defaults to float32 (the weights
             train in it; ``bf16-mixed`` computes in bf16), not the checkpoint's own dtype.
 
-    The model is switched to the ``"lightning_cp"`` attention; labels are never passed to it (the batch's are already
-    shifted per document), the loss is ``cp_cross_entropy`` on its logits (with ``loss_chunk_tokens``,
+    The model is switched to the ``"lightning_cp"`` attention, and to training mode when it comes in evaluation mode
+    (as ``from_pretrained`` returns it; Lightning would keep it so); labels are never passed to it (the batch's are
+    already shifted per document), the loss is ``cp_cross_entropy`` on its logits (with ``loss_chunk_tokens``,
     ``cp_chunked_cross_entropy`` on the decoder's hidden states).
     """
 
@@ -189,8 +203,10 @@ class HFCausalLM(CausalLMModule):
             raise ValueError(
                 f"{type(model).__name__} uses ALiBi position biases, which the '{ATTENTION_NAME}' attention cannot add"
             )
-        if gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+        if not model.training:  # from_pretrained returns it in evaluation mode, which Lightning would keep
+            model.train()
+        if gradient_checkpointing:  # newer transformers renamed it; the old name warns there
+            getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
         self.model = model
         self.loss_chunk_tokens = loss_chunk_tokens
         self._head_checked = False
