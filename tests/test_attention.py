@@ -226,3 +226,13 @@ def test_the_math_kernel_accumulates_in_float32_under_a_bf16_autocast() -> None:
     assert (out.double() - expected).abs().max() <= 4e-3 * expected.abs().max()
     for low, high in zip((q, k, v), exact, strict=True):
         assert (low.grad.double() - high.grad).norm() <= 4e-3 * high.grad.norm()
+
+
+@pytest.mark.parametrize("backend", ["math", "cpu_flash"])
+def test_a_second_order_gradient_is_refused_not_wrong(backend):
+    """The backward keeps the output and log-sum-exp as saved values, so it has no derivative of its own: a
+    ``create_graph`` backward through it raises at once (before, the math kernel gave wrong second-order gradients)."""
+    q, k, v = (torch.randn(8, 1, 2, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = zigzag_attention(q, k, v, None, backend=backend)
+    with pytest.raises(RuntimeError, match="no second-order gradient"):
+        torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)

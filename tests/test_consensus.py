@@ -43,6 +43,18 @@ def _call(case: str) -> None:
             cu_seqlens_q=_offsets(cu), cu_seqlens_q_padded=_offsets([0, 4, 12])
         )
         q, k, v = (torch.randn(6, 2, 8) for _ in range(3))
+    elif case == "kv offsets":
+        kwargs["packed_seq_params"] = PackedSeqParams(
+            cu_seqlens_q=_offsets([0, 3, 8]),
+            cu_seqlens_q_padded=_offsets([0, 4, 12]),
+            cu_seqlens_kv=_offsets([0, 3, 8] if rank == 0 else [0, 4, 8]),
+        )
+        q, k, v = (torch.randn(6, 2, 8) for _ in range(3))
+    elif case == "hybrid groups":
+        ulysses, rings = dist.new_group([0, 1]), [dist.new_group([0]), dist.new_group([1])]
+        kwargs["mode"] = "hybrid"
+        if rank == 0:
+            kwargs.update(ulysses_group=ulysses, ring_group=rings[rank])
     try:
         zigzag_attention(q, k, v, dist.group.WORLD, **kwargs)
     finally:
@@ -52,7 +64,8 @@ def _call(case: str) -> None:
 @pytest.mark.parametrize(
     ("case", "named"),
     [("shape", "q, k, v"), ("heads", "different q"), ("dtype", "q, k, v"), ("requires_grad", "different q"),
-     ("mode", "different mode"), ("offsets", "different cu_seqlens_q")],
+     ("mode", "different mode"), ("offsets", "different cu_seqlens_q"), ("kv offsets", "different cu_seqlens_kv"),
+     ("hybrid groups", "different hybrid sub-groups")],
 )  # fmt: skip
 def test_attention_calls_that_differ_between_ranks(case: str, named: str) -> None:
     message = assert_same_error_on_every_rank(_call, 2, case, match=named, timeout=60)

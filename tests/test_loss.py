@@ -131,6 +131,16 @@ def test_chunked_loss_in_bfloat16_stays_within_bfloat16_rounding() -> None:
         assert (got.grad.double() - want.grad).norm() <= 1e-2 * want.grad.norm()
 
 
+def test_a_second_order_gradient_of_the_chunked_loss_is_refused() -> None:
+    """Its backward computes the logits' gradient in place: a ``create_graph`` backward through it raises a clear
+    error."""
+    features, weight, labels = problem()
+    features.requires_grad_(True)
+    loss_value = cp_chunked_cross_entropy(features, lambda hidden: hidden @ weight, labels, 9, chunk_tokens=4).loss
+    with pytest.raises(RuntimeError, match="no second-order gradient"):
+        torch.autograd.grad(loss_value, features, create_graph=True)
+
+
 def test_loss_of_bfloat16_logits_sums_in_float32() -> None:
     """bf16 logits (``bf16-true``): the whole-logits loss is summed in float32, as Hugging Face's loss and
     cross-entropy under autocast are, so it is the float64 loss of the same logits to float32's rounding (a bf16 sum

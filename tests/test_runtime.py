@@ -84,6 +84,70 @@ def test_plain_loop_matches_one_process_with_any_recomputation(checkpoint: str) 
             assert error <= 1e-9 * expected.abs().max().item(), f"{name}: max error {error}"
 
 
+def _reentrant_loop_after(disturbance: str) -> dict[str, object]:
+    """Train the plain loop with reentrant block recomputation, disturbed: ``nested``, each step's block also runs a
+    no-grad step of the same runtime on the next batch (other documents and token counts); ``raised``, a first step's
+    backward fails inside a recomputed block (a caught out-of-memory, say) and the loop goes on without it."""
+    torch.set_num_threads(1)
+    mesh = build_context_parallel_mesh("cpu", ParallelDims(1, 2, 1))
+    model = TinyTransformer(HYBRID, checkpoint_blocks=True, reentrant=True)
+    runtime = ContextParallelRuntime(ContextParallelSetting(mesh), LayerPolicy(**POLICY))
+    runtime.wrap(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    batches = packed_batches(STEPS + 1)
+    if disturbance == "raised":
+
+        def fail_in_recomputation(module: torch.nn.Module, args: object) -> None:
+            if torch._C._current_graph_task_id() != -1:
+                raise RuntimeError("out of memory (simulated)")
+
+        handle = model.blocks[1].register_forward_pre_hook(fail_in_recomputation)  # runs after the runtime's
+        skipped = dict(batches[-1])
+        with runtime.step(skipped):
+            failing = model._loss(skipped)
+        with pytest.raises(RuntimeError, match="simulated"):
+            failing.loss.backward()
+        handle.remove()
+        model.zero_grad()
+    losses, left_active = [], []
+    for index, batch in enumerate(batches[:STEPS]):
+        with runtime.step(batch):
+            result = model._loss(batch)
+            if disturbance == "nested":
+                other = dict(batches[index + 1])
+                with torch.no_grad(), runtime.step(other):
+                    model._loss(other)
+        optimizer.zero_grad()
+        result.loss.backward()
+        left_active.append(active_step() is not None)
+        for parameter in model.parameters():
+            dist.all_reduce(parameter.grad, group=mesh.cp_group)
+            parameter.grad /= 2
+        optimizer.step()
+        losses.append(result.mean.item())
+    weights = {name: tensor.detach().numpy().copy() for name, tensor in model.state_dict().items()}
+    return {"losses": losses, "weights": weights, "left_active": left_active}
+
+
+@pytest.mark.parametrize("disturbance", ["nested", "raised"])
+def test_reentrant_recomputation_uses_its_own_step_after_a_nested_step_or_a_failed_backward(disturbance: str) -> None:
+    """A backward after the block recomputes each block with its own step's plan: also when a step of the same
+    runtime ran inside the block (before, the inner batch's plan: wrong gradients or a plan error), and after an
+    earlier backward failed inside a recomputed block (before, its step stayed active for good). Losses and weights
+    equal a single-process run (float64, relative 1e-9)."""
+    results = run_on_ranks(_reentrant_loop_after, 2, disturbance, timeout=120)
+    reference_losses, reference_weights = reference_run(
+        HYBRID, packed_batches(STEPS), [[index] for index in range(STEPS)]
+    )
+    for result in results:
+        assert result["left_active"] == [False] * STEPS
+        for actual, (expected,) in zip(result["losses"], reference_losses, strict=True):
+            assert abs(actual - expected) <= 1e-9 * abs(expected), f"{actual} != {expected}"
+        for name, expected in reference_weights.items():
+            error = (torch.from_numpy(result["weights"][name]) - expected).abs().max().item()
+            assert error <= 1e-9 * expected.abs().max().item(), f"{name}: max error {error}"
+
+
 class _TakesExtra(torch.nn.Module):
     def forward(self, h: torch.Tensor, *, extra: object) -> torch.Tensor:
         return h

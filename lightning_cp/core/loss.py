@@ -94,6 +94,8 @@ class _ChunkLossSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        if torch.is_grad_enabled():  # computed in place from saved values
+            raise RuntimeError("cp_chunked_cross_entropy has no second-order gradient (create_graph=True)")
         logits, lse, targets, valid = ctx.saved_tensors
         grad = logits if ctx.reusable else torch.empty_like(logits)
         scale = valid * grad_output.to(lse.dtype)

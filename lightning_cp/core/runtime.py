@@ -121,6 +121,13 @@ def _converted_side_input(step: ContextParallelStep, name: str, value: Any, layo
     )
 
 
+def _drop_abandoned_backward() -> None:
+    """Deactivate a step left active by a backward that raised inside a recomputed layer (outside any backward now)."""
+    step = active_step()
+    if step is not None and step.recomputing and not in_backward():
+        step.abandon_backward()
+
+
 class ContextParallelRuntime:
     """Shard every replica batch over the CP ranks and run the policy's layers in the layouts they need.
 
@@ -176,6 +183,7 @@ class ContextParallelRuntime:
         """
         if not isinstance(batch, MutableMapping):
             raise TypeError(f"{type(self).__name__} needs dict batches (see the batch contract); got {type(batch)}")
+        _drop_abandoned_backward()
         mesh = self.setting.mesh
         if self.check_consensus and mesh.cp_size * mesh.tp_size > 1:
             self._require_same_batch(batch)
@@ -210,7 +218,9 @@ class ContextParallelRuntime:
     @contextmanager
     def step(self, batch: MutableMapping[str, Any]) -> Iterator[ContextParallelStep]:
         """Shard ``batch`` and keep its step active inside the block: run forward and backward there. A step begun
-        inside another's block (another runtime's, or this one's) ends with the outer step active again."""
+        inside another's block (another runtime's, or this one's) ends with the outer step active again, and a backward
+        after the outer block recomputes with the outer step."""
+        _drop_abandoned_backward()
         outer = active_step()
         step, _ = self.begin_step(batch)
         try:
@@ -219,6 +229,8 @@ class ContextParallelRuntime:
             self.end_step()
             if outer is not None:
                 set_active_step(outer)
+                if outer.owner is self:
+                    self._latest_step = outer
 
     def _batch_fields(self, step: ContextParallelStep, sharded: ShardedBatch) -> dict[str, Any]:
         """Return the batch entries the step sees, in the boundary layout."""

@@ -192,6 +192,11 @@ class ContextParallelStep:
         self._backward_layer = layer_index
         self._current_layout = layout
 
+    def abandon_backward(self) -> None:
+        """Undo ``resume_in_backward`` for a backward that raised before leaving the layer (its hook never ran)."""
+        if self.recomputing:
+            self.leave_in_backward(self._backward_layer)
+
     def leave_in_backward(self, layer_index: int | None) -> None:
         """Undo ``resume_in_backward`` once autograd has passed layer ``layer_index``'s input (if it is current)."""
         if self._backward_layer != layer_index or not self.recomputing:

@@ -155,7 +155,10 @@ def zigzag_attention(
     """
     non_finite: tuple[str, ...] = ()
     if check_consensus:
-        non_finite = _require_agreement(q, k, v, cp_group, packed_seq_params, causal, softmax_scale, mode, backend)
+        sub_groups = (ulysses_group, ring_group) if mode == AttentionMode.HYBRID.value else ()
+        non_finite = _require_agreement(
+            q, k, v, cp_group, packed_seq_params, causal, softmax_scale, mode, backend, sub_groups
+        )
     zigzag_ranks, exchange = _zigzag_ranks(cp_group, mode, ulysses_group, ring_group)
     geometry = _validate(q, k, v, zigzag_ranks, exchange, packed_seq_params, mode, backend, softmax_scale)
     if non_finite:
@@ -179,6 +182,7 @@ def _require_agreement(
     softmax_scale: float | None,
     mode: str,
     backend: str,
+    sub_groups: tuple[ProcessGroup | None, ...] = (),
 ) -> tuple[str, ...]:
     """Raise the same ``ValueError`` on every rank when the ranks' calls differ (before any check that could raise
     on one rank only); return the names of the inputs with NaN or infinite values, the same on every rank."""
@@ -186,10 +190,14 @@ def _require_agreement(
     fields: dict[str, Any] = {"q": tensor_description(q), "k": tensor_description(k), "v": tensor_description(v)}
     fields[NON_FINITE_FIELD] = non_finite
     fields.update(mode=mode, backend=backend, causal=causal, softmax_scale=softmax_scale, packed=params is not None)
+    fields["hybrid sub-groups"] = tuple(None if group is None else group.size() for group in sub_groups)
     if params is not None:
-        for name in ("cu_seqlens_q", "cu_seqlens_q_padded"):
-            value = getattr(params, name)
-            fields[name] = host_copies(value)[0] if isinstance(value, Tensor) else repr(value)
+        for field in dataclasses.fields(params):
+            value = getattr(params, field.name)
+            if field.name.startswith("cu_seqlens") and isinstance(value, Tensor):
+                fields[field.name] = host_copies(value)[0]
+            else:
+                fields[field.name] = tensor_description(value) if isinstance(value, Tensor) else repr(value)
     require_agreement("zigzag_attention", fields, cp_group)
     return non_finite
 
@@ -425,6 +433,8 @@ class _ShardAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
+        if torch.is_grad_enabled():  # it would treat the saved output and log-sum-exp as constants
+            raise RuntimeError("CP attention has no second-order gradient (a backward with create_graph=True)")
         q, k, v, out, lse = ctx.saved_tensors
         plan, acc = ctx.plan, accumulation_dtype(q.dtype)
         dq, dk, dv = (x.new_zeros(x.shape, dtype=acc) for x in (q, k, v))
