@@ -184,6 +184,14 @@ def fit_with_bad_setup(world_size: int, case: str) -> None:
     elif case == "sequence parallel over plain parameters":
         model.configure_model = lambda: None  # type: ignore[method-assign]
         strategy = {**FSDP, "context_parallel_size": 1, "tensor_parallel_size": 2, "sequence_parallel": True}
+    elif case == "blocks sharded, the rest left plain":
+        from torch.distributed.fsdp import fully_shard
+
+        def shard_blocks_only() -> None:
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=model.device_mesh["data_context_parallel"])
+
+        model.configure_model = shard_blocks_only  # type: ignore[method-assign]
     elif case == "fully_shard under ddp":
         from torch.distributed.fsdp import fully_shard
 
@@ -199,13 +207,16 @@ def fit_with_bad_setup(world_size: int, case: str) -> None:
         ("tp does not divide the heads", 3, "tensor_parallel_size=3 does not divide model.num_heads=4"),
         ("sharded over the data-parallel axis only", 2, "is sharded over mesh dimensions ('data_parallel',)"),
         ("fully_shard under ddp", 2, "configure_model applied fully_shard (to 'model') but data_parallel='ddp'"),
+        ("blocks sharded, the rest left plain", 2, "fully_shard to some modules but left 'model.embed_tokens.weight'"),
         ("a step that fails under fsdp", 2, "attention_mode='ulysses' splits the 3 query heads over 2 ranks"),
         ("sequence parallel over plain parameters", 2, "needs every parameter as a DTensor on the tensor-parallel"),
     ],
 )
 def test_bad_setups_give_the_same_error_on_every_rank(case: str, world_size: int, match: str) -> None:
-    """A wrong TP size, a module sharded differently or left plain under sequence parallelism is one ``ValueError`` on
-    every rank, no hang; so is an error in a step under FSDP (not FSDP's own error from moving the module after it)."""
+    """A wrong TP size, a module sharded differently, in part (trainable weights left plain would get no gradient
+    reduction: before, each rank trained its own copy) or left plain under sequence parallelism is one ``ValueError``
+    on every rank, no hang; so is an error in a step under FSDP (not FSDP's own error from moving the module after
+    it)."""
     assert_same_error_on_every_rank(
         fit_with_bad_setup, world_size, world_size, case, match=match, init_process_group=False, timeout=120
     )

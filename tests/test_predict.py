@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy, cp_gather_sequence
 from lightning_cp.hf import HFCausalLM
 from lightning_cp.train.models.module import LlamaLM
-from tests.distributed_harness import run_on_ranks
+from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
 from tests.model_helpers import HYBRID, POLICY, TRAINER_OPTIONS, TinyTransformer, dense_batches, packed_batches
 from tests.test_hf import tiny_model
 
@@ -96,3 +96,29 @@ def test_validation_loss_over_replicas_is_one_devices():
     (expected,) = run_on_ranks(validation_loss, 1, 1, init_process_group=False, timeout=100)
     for loss in run_on_ranks(validation_loss, 2, 2, init_process_group=False, timeout=100):
         assert abs(loss - expected) <= 1e-6 * abs(expected), (loss, expected)
+
+
+def fsdp_predict(batch_count: int) -> list[np.ndarray]:
+    """The built-in model's predictions of the first ``batch_count`` batches under ``fsdp`` over two replicas."""
+    os.environ["WORLD_SIZE"] = "2"
+    torch.manual_seed(0)
+    tiny = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 64}
+    strategy = CPZigzagStrategy(context_parallel_size=1, data_parallel="fsdp")
+    trainer = pl.Trainer(devices=2, strategy=strategy, **TRAINER_OPTIONS)
+    loader = DataLoader(batches()[:batch_count], batch_size=None)
+    return [prediction.numpy() for prediction in trainer.predict(LlamaLM(**tiny).double(), loader)]
+
+
+@pytest.mark.timeout(120)
+def test_fsdp_predict_over_replicas_is_one_devices_or_refused_when_they_would_wait():
+    """Under fsdp every forward gathers weights over both replicas: 4 batches split 2 and 2 give one device's
+    predictions; 3 split 2 and 1 (the predict sampler does not pad) are refused on every rank (before, the replica
+    with the extra batch waited for good)."""
+    reference = predict(1, {}, "llama")
+    for replica, predictions in enumerate(run_on_ranks(fsdp_predict, 2, 4, init_process_group=False, timeout=100)):
+        assert len(predictions) == 2
+        for got, expected in zip(predictions, reference[replica::2], strict=True):
+            np.testing.assert_allclose(got, expected, rtol=0, atol=1e-10)
+    assert_same_error_on_every_rank(
+        fsdp_predict, 2, 3, match="different numbers of batches", init_process_group=False, timeout=100
+    )

@@ -42,7 +42,8 @@ def check_wrapping(module: nn.Module, data_parallel: str, data_context_size: int
     """Check how ``configure_model`` left the module and return whether it is already sharded with FSDP2.
 
     Raise ``ValueError`` (the same on every rank: the module is built alike everywhere) for a module wrapped in DDP
-    or FSDP1, FSDP2 under ``data_parallel="ddp"``, or FSDP2 over another mesh than the flattened data x context one.
+    or FSDP1, FSDP2 under ``data_parallel="ddp"``, FSDP2 over another mesh than the flattened data x context one, or
+    FSDP2 on some modules with trainable weights left plain (nothing would reduce their gradients).
     """
     for name, child in module.named_modules():
         if isinstance(child, (DistributedDataParallel, FSDP1)):
@@ -55,6 +56,18 @@ def check_wrapping(module: nn.Module, data_parallel: str, data_context_size: int
         raise ValueError(
             f"configure_model applied fully_shard (to {sharded[0] or 'the root'!r}) but data_parallel="
             f"{data_parallel!r}: use data_parallel='fsdp'"
+        )
+    plain = [
+        name
+        for name, parameter in module.named_parameters()
+        if parameter.requires_grad and not isinstance(parameter, DTensor)
+    ]
+    if sharded and plain:
+        listed = ", ".join(repr(name) for name in plain[:3]) + (f" and {len(plain) - 3} more" if len(plain) > 3 else "")
+        raise ValueError(
+            f"configure_model applied fully_shard to some modules but left {listed} plain: their gradients would not "
+            f"be reduced over the data x context ranks; also apply fully_shard(self, mesh=self.device_mesh"
+            f"[{DATA_CONTEXT_PARALLEL!r}]) at the root, or leave the sharding to cp_zigzag"
         )
     for name, parameter in module.named_parameters():
         if not sharded or not isinstance(parameter, DTensor):

@@ -288,6 +288,27 @@ class CPZigzagStrategy(DDPStrategy):
                 )
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Under ``fsdp`` with several replicas, refuse on every rank a predict whose replicas get different numbers
+        of batches: Lightning's predict sampler does not pad, and each forward gathers weights over every replica, so
+        a replica with one batch more would wait for the others for good."""
+        mesh, trainer = self.cp_mesh, self.lightning_module.trainer
+        if trainer.state.fn != TrainerFn.PREDICTING or self.data_parallel != "fsdp" or mesh.dims.data_parallel == 1:
+            return dataloader
+        count = len(dataloader) if hasattr(dataloader, "__len__") else -1
+        limit = trainer.limit_predict_batches
+        if count > 0:  # as Lightning applies the limit
+            count = min(count, limit) if isinstance(limit, int) else int(count * limit)
+        if comm.differing_fields([count], mesh.dp_cp_group):
+            raise ValueError(
+                f"trainer.predict under data_parallel='fsdp' gives the {mesh.dims.data_parallel} data-parallel "
+                "replicas different numbers of batches (the predict sampler does not pad), and every forward gathers "
+                "the weights over all of them: make the number of predict batches a multiple of "
+                f"{mesh.dims.data_parallel}, or predict with data_parallel='ddp'"
+            )
+        return dataloader
+
+    @override
     def teardown(self) -> None:
         """Under FSDP2, as Lightning's ``ModelParallelStrategy``: the module stays where it is, since moving it to the
         CPU after a step that failed mid-forward (its parameters still gathered) would raise over that step's error."""
