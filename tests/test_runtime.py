@@ -65,13 +65,9 @@ def _plain_loop(cp: int, checkpoint: str) -> dict[str, object]:
     return {"losses": losses, "weights": weights, "left_active": left_active}
 
 
-@pytest.mark.parametrize("checkpoint", ["none", "blocks", "attention", "blocks-reentrant", "in-place"])
-def test_plain_loop_matches_one_process_with_any_recomputation(checkpoint: str) -> None:
-    """Hybrid stack at cp=2 (zigzag and contiguous blocks, contiguous boundary): losses and weights equal a
-    single-process run (float64, relative 1e-9) whether whole blocks (reentrant or not), only the attention inside
-    them, or nothing is recomputed in backward, also when block outputs are changed in place; no step state is left
-    active after a backward."""
-    results = run_on_ranks(_plain_loop, 2, 2, checkpoint, timeout=120)
+def _assert_matches_one_process(results: list[dict[str, object]]) -> None:
+    """Every rank's losses and final weights equal a single-process run (float64, relative 1e-9), and no step was
+    left active after a backward."""
     reference_losses, reference_weights = reference_run(
         HYBRID, packed_batches(STEPS), [[index] for index in range(STEPS)]
     )
@@ -82,6 +78,16 @@ def test_plain_loop_matches_one_process_with_any_recomputation(checkpoint: str) 
         for name, expected in reference_weights.items():
             error = (torch.from_numpy(result["weights"][name]) - expected).abs().max().item()
             assert error <= 1e-9 * expected.abs().max().item(), f"{name}: max error {error}"
+
+
+@pytest.mark.parametrize("checkpoint", ["none", "blocks", "attention", "blocks-reentrant", "in-place"])
+def test_plain_loop_matches_one_process_with_any_recomputation(checkpoint: str) -> None:
+    """Hybrid stack at cp=2 (zigzag and contiguous blocks, contiguous boundary): losses and weights equal a
+    single-process run (float64, relative 1e-9) whether whole blocks (reentrant or not), only the attention inside
+    them, or nothing is recomputed in backward, also when block outputs are changed in place; no step state is left
+    active after a backward."""
+    results = run_on_ranks(_plain_loop, 2, 2, checkpoint, timeout=120)
+    _assert_matches_one_process(results)
 
 
 def _reentrant_loop_after(disturbance: str) -> dict[str, object]:
@@ -136,16 +142,7 @@ def test_reentrant_recomputation_uses_its_own_step_after_a_nested_step_or_a_fail
     earlier backward failed inside a recomputed block (before, its step stayed active for good). Losses and weights
     equal a single-process run (float64, relative 1e-9)."""
     results = run_on_ranks(_reentrant_loop_after, 2, disturbance, timeout=120)
-    reference_losses, reference_weights = reference_run(
-        HYBRID, packed_batches(STEPS), [[index] for index in range(STEPS)]
-    )
-    for result in results:
-        assert result["left_active"] == [False] * STEPS
-        for actual, (expected,) in zip(result["losses"], reference_losses, strict=True):
-            assert abs(actual - expected) <= 1e-9 * abs(expected), f"{actual} != {expected}"
-        for name, expected in reference_weights.items():
-            error = (torch.from_numpy(result["weights"][name]) - expected).abs().max().item()
-            assert error <= 1e-9 * expected.abs().max().item(), f"{name}: max error {error}"
+    _assert_matches_one_process(results)
 
 
 class _TakesExtra(torch.nn.Module):
