@@ -183,3 +183,26 @@ def test_cp_attention_without_cp_is_exact_per_document_attention(causal: bool) -
     dense_weights = scores.masked_fill(~dense_visible, -torch.inf).softmax(-1)
     expected_dense = torch.einsum("bhqk,bkhd->bqhd", dense_weights, v.repeat_interleave(2, dim=2))
     assert torch.allclose(dense, expected_dense, rtol=0, atol=1e-12)
+
+
+RECURRENT_ONLY = ("recurrent", "recurrent")
+
+
+def fit_recurrent_only_at_cp2() -> list[float]:
+    """Fit two steps of a stack of contiguous (token-shift) blocks alone at cp=2; return the losses."""
+    os.environ["WORLD_SIZE"] = "2"
+    model = TinyTransformer(RECURRENT_ONLY)
+    callback = ContextParallelLayoutCallback(zigzag_layers=["*AttentionBlock"], contiguous_layers=["*RecurrentBlock"])
+    trainer = pl.Trainer(devices=2, strategy=CPZigzagStrategy(), callbacks=[callback], max_steps=2, **TRAINER_OPTIONS)
+    trainer.fit(model, DataLoader(packed_batches(2), batch_size=None))
+    return model.train_losses
+
+
+def test_a_stack_without_attention_blocks_trains_under_cp() -> None:
+    """Only contiguous blocks (``cp_previous_tokens``, no attention): the forward calls no ``cp_attention`` and needs
+    none, so it trains and matches one process (before, it was refused as a model bypassing its attention)."""
+    reference_losses, _ = reference_run(RECURRENT_ONLY, packed_batches(2), [[0], [1]])
+    for losses in run_on_ranks(fit_recurrent_only_at_cp2, 2, init_process_group=False):
+        assert len(losses) == 2
+        for actual, (expected,) in zip(losses, reference_losses, strict=True):
+            assert abs(actual - expected) <= 1e-9 * expected, f"{actual} != {expected}"

@@ -283,21 +283,31 @@ class _TokenInputBlock(torch.nn.Module):
         return h + per_token
 
 
-def _per_token_positional_input() -> None:
+def _per_token_positional_input(taken_by: str, packed: bool) -> None:
+    """Two zigzag blocks in a row; ``taken_by`` names the one given a per-token tensor (made from the batch, as
+    per-layer inputs are) positionally."""
     mesh = build_context_parallel_mesh("cpu", ParallelDims(1, dist.get_world_size(), 1))
-    model = torch.nn.ModuleDict({"block": _TokenInputBlock()})
+    model = torch.nn.ModuleDict({"first": _TokenInputBlock(), "second": _TokenInputBlock()})
     runtime = ContextParallelRuntime(ContextParallelSetting(mesh), LayerPolicy(zigzag_layers=("*TokenInputBlock",)))
     runtime.wrap(model)
-    batch = {"input_ids": torch.arange(8).unsqueeze(0), "labels": torch.arange(8).unsqueeze(0)}
+    batch = {"input_ids": torch.arange(10).unsqueeze(0), "labels": torch.arange(10).unsqueeze(0)}
+    if packed:
+        batch["cu_seqlens"] = torch.tensor([0, 3, 10], dtype=torch.int32)
     with runtime.step(batch):
         h = batch["input_ids"].double().unsqueeze(-1)
-        model["block"](h, h * 2)
+        per_token = h * 2
+        for name in ("first", "second"):
+            h = model[name](h, per_token if name == taken_by else h.new_zeros(()))
 
 
-def test_a_per_token_positional_input_to_a_converted_layer_is_refused() -> None:
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("taken_by", ["first", "second"])
+def test_a_per_token_positional_input_to_a_converted_layer_is_refused(taken_by: str, packed: bool) -> None:
     """Only keyword side inputs are converted: a per-token tensor passed positionally would meet the hidden states in
-    another token order, so it is refused on every rank, naming the way out."""
+    another token order, so it is refused on every rank, naming the way out; also by a layer whose input arrives
+    already converted (before, only the first of a run of zigzag layers was checked)."""
     assert_same_error_on_every_rank(
-        _per_token_positional_input, 2, match="takes a per-token tensor as positional argument 1; it would stay in "
-        "the contiguous layout while the layer runs in zigzag: pass it as a keyword named in side_inputs",
+        _per_token_positional_input, 2, taken_by, packed, match="takes a per-token tensor as positional argument "
+        "1; it would stay in the contiguous layout while the layer runs in zigzag: pass it as a keyword named in "
+        "side_inputs",
     )  # fmt: skip

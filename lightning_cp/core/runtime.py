@@ -92,15 +92,23 @@ def select_layers(
 
 
 def _refuse_positional_token_inputs(
-    layer_index: int, module: nn.Module, args: tuple[Any, ...], outside: CPLayout, inside: CPLayout
+    layer_index: int, module: nn.Module, args: tuple[Any, ...], step: ContextParallelStep, inside: CPLayout
 ) -> None:
-    """Raise for a per-token tensor (``[B, S, ...]`` as the hidden states are) among a wrapped layer's positional
-    arguments after the first: only keyword side inputs are converted, so it would meet the hidden states in another
-    token order (Gemma 3n's and Gemma 4's per-layer inputs and rotary tables, a residual passed alongside)."""
-    tokens = args[0].shape[:2]
+    """Raise for a per-token tensor (``[B, S, ...]`` as the hidden states are, in either layout) among a wrapped
+    layer's positional arguments after the first: only keyword side inputs are converted, so it would meet the hidden
+    states in another token order (Gemma 3n's and Gemma 4's per-layer inputs and rotary tables, a residual passed
+    alongside)."""
+    outside = step.boundary_layout
+    rows, lengths = args[0].shape[0], {args[0].shape[1]}
+    plan = step.layout_state.thd_plan if step.layout_state is not None else None
+    if plan is not None:
+        lengths |= {plan.contiguous_local_token_count, plan.zigzag_local_token_count}
+
+    def per_token(part: Any) -> bool:
+        return isinstance(part, torch.Tensor) and part.dim() >= 2 and part.shape[0] == rows and part.shape[1] in lengths
+
     for position, arg in enumerate(args[1:], start=1):
-        parts = arg if isinstance(arg, (tuple, list)) else (arg,)
-        if any(isinstance(part, torch.Tensor) and part.dim() >= 2 and part.shape[:2] == tokens for part in parts):
+        if any(per_token(part) for part in (arg if isinstance(arg, (tuple, list)) else (arg,))):
             raise ValueError(
                 f"layer {layer_index} ({type(module).__name__}) takes a per-token tensor as positional argument "
                 f"{position}; it would stay in the {outside.value} layout while the layer runs in {inside.value}: pass "
@@ -278,8 +286,8 @@ class ContextParallelRuntime:
                 hidden_states.register_hook(lambda grad: step.leave_in_backward(layer_index))
                 step.marked_layers.add(layer_index)
             hidden_states = step.enter_layer(layer_index, layout, hidden_states)
-            if hidden_states is not args[0]:  # converted: per-token positional arguments would not be
-                _refuse_positional_token_inputs(layer_index, module, args, step.boundary_layout, layout)
+            if step.layout_state is not None and layout != step.boundary_layout:  # positional tensors stay unconverted
+                _refuse_positional_token_inputs(layer_index, module, args, step, layout)
             converted = {
                 name: _converted_side_input(step, name, kwargs[name], layout)
                 for name in side_inputs

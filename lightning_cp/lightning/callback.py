@@ -18,6 +18,7 @@ from lightning_cp.core.runtime import (
     WrappedLayer,
 )
 from lightning_cp.core.step import ContextParallelSetting, active_step, step_metrics
+from lightning_cp.core.zigzag import CPLayout
 
 
 class ContextParallelLayoutCallback(Callback):
@@ -86,9 +87,11 @@ class ContextParallelLayoutCallback(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
-        """Fail when cp > 1 and the forward never called ``cp_attention``: the model bypassed it (wrong results)."""
+        """Fail when cp > 1 and the forward never called ``cp_attention`` though the policy wraps attention blocks
+        (``zigzag_layers``): the model bypassed it (wrong results). A stack of contiguous blocks alone calls none."""
         step = active_step()
-        if step is not None and step.cp_size > 1 and self.wrapped_layers and step.attention_calls == 0:
+        attention_blocks = any(layer.layout == CPLayout.ZIGZAG for layer in self.wrapped_layers)
+        if step is not None and step.cp_size > 1 and attention_blocks and step.attention_calls == 0:
             raise RuntimeError(
                 f"cp={step.cp_size} but the forward made no cp_attention call: the model's attention bypassed it and "
                 "would attend within each rank's shard only (a Hugging Face model needs "
