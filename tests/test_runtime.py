@@ -253,11 +253,16 @@ def test_labels_none_means_the_input_ids():
         assert batch["labels"].tolist() == [[1, 4, 1, 5, -100]]
 
 
-def _previous_tokens(count: int, boundary: str) -> tuple[list[list[float]], list[list[float]]]:
+def _previous_tokens(
+    count: int, boundary: str, tensor_parallel: int = 1
+) -> tuple[list[list[float]], list[list[float]]]:
     """On contiguous shards of one dense row of 12 tokens (value = position), the ``count`` tokens before each rank's
-    shard, and the gradient a sum of them sends back to the shards."""
-    mesh = build_context_parallel_mesh("cpu", ParallelDims(1, dist.get_world_size(), 1))
-    runtime = ContextParallelRuntime(ContextParallelSetting(mesh, boundary_layout=boundary))
+    shard, and the gradient a sum of them sends back to the shards; with ``tensor_parallel`` > 1 under sequence
+    parallelism (shards over TP x CP)."""
+    dims = ParallelDims(1, dist.get_world_size() // tensor_parallel, tensor_parallel)
+    mesh = build_context_parallel_mesh("cpu", dims)
+    setting = ContextParallelSetting(mesh, boundary_layout=boundary, sequence_parallel=tensor_parallel > 1)
+    runtime = ContextParallelRuntime(setting)
     batch = {"input_ids": torch.arange(12).unsqueeze(0), "labels": torch.arange(12).unsqueeze(0)}
     with runtime.step(batch):
         shard = batch["input_ids"].double().unsqueeze(-1).requires_grad_()
@@ -268,10 +273,13 @@ def _previous_tokens(count: int, boundary: str) -> tuple[list[list[float]], list
 
 def test_the_tokens_before_a_contiguous_shard_come_from_the_previous_rank() -> None:
     """Three ranks of four tokens: rank r > 0 gets positions 4r - count .. 4r - 1, rank 0 zeros; the gradient of
-    token j of a shard's tail is the weight its next rank gave it (none for the last rank's tail)."""
+    token j of a shard's tail is the weight its next rank gave it (none for the last rank's tail). Under sequence
+    parallelism the previous shard is the previous TP x CP rank's (before, the previous CP rank's: wrong tokens)."""
     ranks = run_on_ranks(_previous_tokens, 3, 3, "contiguous")
     assert [before for before, _ in ranks] == [[0.0, 0.0, 0.0], [1.0, 2.0, 3.0], [5.0, 6.0, 7.0]]
     assert [grad for _, grad in ranks] == [[0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0], [0.0, 0.0, 0.0, 0.0]]
+    sequence_parallel = run_on_ranks(_previous_tokens, 4, 2, "contiguous", 2)  # cp=2 x tp=2: 16 padded slots
+    assert [before for before, _ in sequence_parallel] == [[0.0, 0.0], [2.0, 3.0], [6.0, 7.0], [10.0, 11.0]]
     assert_same_error_on_every_rank(_previous_tokens, 2, 1, "zigzag", match="needs the contiguous layout")
     assert_same_error_on_every_rank(_previous_tokens, 3, 5, "contiguous", match="5 tokens asked, but a rank holds")
 

@@ -122,14 +122,16 @@ def cp_gather_sequence(tensor: torch.Tensor) -> torch.Tensor:
 
 def cp_previous_tokens(hidden_states: torch.Tensor, count: int = 1) -> torch.Tensor:
     """Return the ``count`` tokens that precede this rank's contiguous shard ``[B, S_local, ...]`` in the sequence:
-    ``[B, count, ...]`` from the end of the previous CP rank's shard (zeros on the first rank, at cp=1 or without an
-    active step), differentiably. What a token shift, a causal convolution (``count`` = kernel - 1) or a recurrence
-    needs from across the shard boundary; call it in a block that runs on contiguous shards, and mask what lies
-    before a document's start with ``position_ids``, as on one device."""
+    ``[B, count, ...]`` from the end of the previous shard's rank (a CP rank, or under sequence parallelism a TP x CP
+    one; zeros on the first rank, on one shard or without an active step), differentiably. What a token shift, a
+    causal convolution (``count`` = kernel - 1) or a recurrence needs from across the shard boundary; call it in a
+    block that runs on contiguous shards, and mask what lies before a document's start with ``position_ids``, as on
+    one device."""
     rows, local = hidden_states.shape[0], hidden_states.shape[1]
     shape = (rows, count, *hidden_states.shape[2:])
     step = active_step()
-    if step is None or step.cp_size == 1:
+    group = None if step is None else step.loss_group  # the ranks holding the contiguous shards, TP ones under SP
+    if group is None or group.size() == 1:
         return hidden_states.new_zeros(shape)
     if step.current_layout != CPLayout.CONTIGUOUS:
         raise ValueError(
@@ -138,11 +140,11 @@ def cp_previous_tokens(hidden_states: torch.Tensor, count: int = 1) -> torch.Ten
         )
     if count > local:
         raise ValueError(f"cp_previous_tokens: {count} tokens asked, but a rank holds only {local} of the sequence")
-    rank, size = comm.group_rank(step.cp_group), step.cp_size
+    rank, size = comm.group_rank(group), comm.group_size(group)
     tail = hidden_states[:, local - count :].reshape(rows * count, *hidden_states.shape[2:])
     send = [tail.shape[0] if peer == (rank + 1) % size else 0 for peer in range(size)]
     receive = [tail.shape[0] if peer == (rank - 1) % size else 0 for peer in range(size)]
-    received = comm.all_to_all_v(tail.contiguous(), receive, send, step.cp_group).view(shape)
+    received = comm.all_to_all_v(tail.contiguous(), receive, send, group).view(shape)
     if rank == 0:  # it sends too (to rank 1), and so takes part in the backward's all-to-all as well
         received = received.masked_fill(torch.ones((), dtype=torch.bool, device=received.device), 0)
     return received
