@@ -319,3 +319,49 @@ def test_a_per_token_positional_input_to_a_converted_layer_is_refused(taken_by: 
         "1; it would stay in the contiguous layout while the layer runs in zigzag: pass it as a keyword named in "
         "side_inputs",
     )  # fmt: skip
+
+
+def _blocks_called(order: list[int], zigzag_layers: tuple[str, ...]) -> float:
+    """Run the hybrid stack's blocks in ``order`` (with ``zigzag_layers`` as the policy's attention blocks) on one
+    dense batch at cp = the world size and return the loss."""
+    mesh = build_context_parallel_mesh("cpu", ParallelDims(1, dist.get_world_size(), 1))
+    torch.manual_seed(0)
+    model = TinyTransformer(HYBRID).double()
+    policy = LayerPolicy(zigzag_layers, tuple(POLICY["contiguous_layers"]), ("position_ids",))
+    runtime = ContextParallelRuntime(ContextParallelSetting(mesh), policy)
+    runtime.wrap(model)
+    batch = {"input_ids": (torch.arange(22).view(1, 22) * 7) % 32}
+    with runtime.step(batch):
+        h = model.embed(batch["input_ids"])
+        for index in order:
+            h = model.blocks[index](h, position_ids=batch["position_ids"])
+        return float(cp_cross_entropy(model.head(h), batch["labels"], batch["loss_token_count"]).mean)
+
+
+@pytest.mark.parametrize(
+    ("order", "zigzag_layers", "match"),
+    [
+        ([0, 0, 1, 2, 3, 4], ("*AttentionBlock",), "wrapped layer 0 got the residual stream in the zigzag layout, not "
+         "the contiguous one layer -1 leaves"),
+        ([2, 3, 0, 1, 4], ("*AttentionBlock",), "wrapped layer 2 got the residual stream in the contiguous layout"),
+        ([0, 1], ("*AttentionBlock",), "the loss met the residual stream in the zigzag layout"),
+        ([0, 1, 2, 3, 4], ("blocks.0", "blocks.4"), "cp_attention outside the wrapped layers met the residual stream"),
+    ],
+    ids=["twice", "out-of-order", "last-skipped", "unwrapped-between"],
+)  # fmt: skip
+def test_wrapped_layers_that_stray_from_module_order_are_refused(
+    order: list[int], zigzag_layers: tuple[str, ...], match: str
+) -> None:
+    """The layout state converts where the module order says the layout changes: a layer run twice or out of order,
+    a forward that ends in another layout, or an attention block outside the policy between wrapped ones would
+    compute in a wrong token order (before: silently wrong losses on dense batches), so each is refused on every
+    rank; a skipped layer whose neighbours share its layout changes nothing and trains."""
+    assert_same_error_on_every_rank(_blocks_called, 2, order, zigzag_layers, match=match)
+
+
+def test_a_skipped_layer_between_layers_of_its_layout_is_exact() -> None:
+    """Skipping a middle block (LayerDrop) leaves every conversion where the order puts it: the loss equals one
+    process running the same blocks."""
+    losses = run_on_ranks(_blocks_called, 2, [0, 2, 3, 4], ("*AttentionBlock",))
+    (expected,) = run_on_ranks(_blocks_called, 1, [0, 2, 3, 4], ("*AttentionBlock",))
+    assert losses[0] == losses[1] and abs(losses[0] - expected) <= 1e-12 * abs(expected), (losses, expected)

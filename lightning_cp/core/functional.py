@@ -68,6 +68,7 @@ def cp_attention(
     step = active_step()
     if step is not None:
         step.attention_calls += 1
+        step.require_stream_at_boundary("cp_attention outside the wrapped layers")
     if torch.is_autocast_enabled(q.device.type):  # as SDPA under autocast: one dtype, the autocast's
         dtype = torch.get_autocast_dtype(q.device.type)
         q, k, v = (tensor.to(dtype) for tensor in (q, k, v))
@@ -112,6 +113,7 @@ def cp_gather_sequence(tensor: torch.Tensor) -> torch.Tensor:
     step = active_step()
     if step is None:
         return tensor
+    step.require_stream_at_boundary("cp_gather_sequence")
     group = step.loss_group
     if group is not None:
         contiguous = step.convert(tensor, step.boundary_layout, CPLayout.CONTIGUOUS)
@@ -133,6 +135,7 @@ def cp_previous_tokens(hidden_states: torch.Tensor, count: int = 1) -> torch.Ten
     group = None if step is None else step.loss_group  # the ranks holding the contiguous shards, TP ones under SP
     if group is None or group.size() == 1:
         return hidden_states.new_zeros(shape)
+    step.require_stream_at_boundary("cp_previous_tokens outside the wrapped layers")
     if step.current_layout != CPLayout.CONTIGUOUS:
         raise ValueError(
             f"cp_previous_tokens needs the contiguous layout, but this block runs in {step.current_layout.value}: "

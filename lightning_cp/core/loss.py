@@ -123,6 +123,8 @@ def _normalised(token_loss_sum: torch.Tensor, loss_token_count: int) -> CPLoss:
     """Scale this rank's loss sum for the gradient average over DP x CP; the mean is the replica's."""
     token_count = max(int(loss_token_count), 1)
     step = active_step()
+    if step is not None:
+        step.require_stream_at_boundary("the loss")
     if step is None or step.loss_group is None:
         loss = token_loss_sum / token_count
         return CPLoss(loss, loss.detach())

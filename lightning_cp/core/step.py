@@ -101,7 +101,10 @@ class ContextParallelStep:
     ``layout_state`` (``None`` only at cp=1) converts the wrapped layers' residual stream where their layout changes
     and any other per-token tensor of the batch; ``geometry`` describes the batch in the zigzag layout (what the
     attention plans from). Wrapped layers set the current layout on entry and reset it on exit, so ``cp_attention``
-    sees the layout of the layer it runs in; outside every wrapped layer it sees the boundary layout.
+    sees the layout of the layer it runs in; outside every wrapped layer it sees the boundary layout. The layout
+    state converts where the layer order says the layout changes, so wrapped layers must each run once per forward,
+    in module order: ``stream_layout`` follows the residual stream, and a forward that strays is refused
+    (``require_stream_at_boundary``, and on entry to a layer) rather than computed in a wrong token order.
     """
 
     setting: ContextParallelSetting = field(default_factory=ContextParallelSetting)
@@ -117,6 +120,7 @@ class ContextParallelStep:
     recomputing: bool = False
     marked_layers: set[int] = field(default_factory=set)
     _current_layout: CPLayout | None = None
+    _stream_layout: CPLayout | None = None
     _backward_layer: int | None = None
     _active_before_backward: ContextParallelStep | None = None
     _side_input_cache: dict[tuple[int, CPLayout], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -161,11 +165,44 @@ class ContextParallelStep:
         """Return the layout of the wrapped layer running now, else the boundary layout."""
         return self.boundary_layout if self._current_layout is None else self._current_layout
 
+    @property
+    def stream_layout(self) -> CPLayout:
+        """Return the layout the residual stream is in during the forward (between wrapped layers: the last one's)."""
+        return self.boundary_layout if self._stream_layout is None else self._stream_layout
+
+    def require_stream_at_boundary(self, what: str) -> None:
+        """Raise when ``what`` (a loss, a gathered output, attention outside the wrapped layers) meets the residual
+        stream in another layout than the boundary one during the forward: a wrapped layer ran out of order, twice,
+        or not at all, or an unwrapped block sits between two wrapped ones."""
+        if self._current_layout is not None or self.recomputing or in_backward():
+            return
+        if self.stream_layout != self.boundary_layout:
+            raise ValueError(
+                f"{what} met the residual stream in the {self.stream_layout.value} layout (the boundary layout is "
+                f"{self.boundary_layout.value}): a wrapped layer did not run, or a block outside the layout policy "
+                "runs between wrapped ones; wrapped layers must each run once per forward, in module order, and "
+                "blocks that attend must match the policy"
+            )
+
     def enter_layer(self, layer_index: int, layout: CPLayout, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Convert a wrapped layer's input to its layout and make that layout current."""
+        """Convert a wrapped layer's input to its layout and make that layout current; in the forward, refuse a layer
+        whose input is not in the layout its predecessor in module order leaves (one that runs twice or out of
+        order), since the conversion follows that order."""
         converted = hidden_states
+        forward = not (self.recomputing or in_backward())
+        if self.layout_state is not None and forward:
+            expected = self.layout_state.layout_of_layer(layer_index - 1)
+            if self.stream_layout != expected:
+                raise ValueError(
+                    f"wrapped layer {layer_index} got the residual stream in the {self.stream_layout.value} layout, "
+                    f"not the {expected.value} one layer {layer_index - 1} leaves: wrapped layers must each run once "
+                    "per forward, in module order (a layer run twice, out of order or skipped needs its own place in "
+                    "the policy)"
+                )
         if self.layout_state is not None:
             converted, _ = self.layout_state.prepare_layer(layer_index, hidden_states)
+            if forward:
+                self._stream_layout = layout
         self.layer_conversion_count += converted is not hidden_states and not (self.recomputing or in_backward())
         self._current_layout = layout
         return converted
@@ -176,6 +213,9 @@ class ContextParallelStep:
         if self.layout_state is None:
             return hidden_states
         restored = self.layout_state.finalize_layer(layer_index, hidden_states)
+        if not (self.recomputing or in_backward()):
+            last = layer_index == len(self.layout_state.manager.layer_layouts) - 1
+            self._stream_layout = self.boundary_layout if last else self.layout_state.layout_of_layer(layer_index)
         self.layer_conversion_count += restored is not hidden_states and not (self.recomputing or in_backward())
         return restored
 
