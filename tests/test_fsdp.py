@@ -227,6 +227,7 @@ def test_bad_setups_give_the_same_error_on_every_rank(case: str, world_size: int
     [
         ({"data_parallel": "zero3"}, "data_parallel='zero3' is invalid: expected 'ddp' or 'fsdp'"),
         ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 needs data_parallel='fsdp'"),
+        ({"data_parallel": "fsdp", "start_method": "spawn"}, "start_method='spawn' with data_parallel='fsdp'"),
     ],
 )
 def test_bad_arguments_fail_in_the_constructor(arguments: dict[str, Any], match: str) -> None:

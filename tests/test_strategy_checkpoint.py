@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy
+from lightning_cp.lightning.state import is_distributed_checkpoint
 from tests.distributed_harness import run_on_ranks
 from tests.model_helpers import ATTENTION, HYBRID, POLICY, TRAINER_OPTIONS, TinyTransformer, packed_batches
 
@@ -214,3 +215,31 @@ def test_a_stateless_optimizer_resumes_with_its_scheduled_learning_rate(tmp_path
         uninterrupted, resumed = run_on_ranks(learning_rates_after_resume, 2, strategy, str(tmp_path / str(index)),
                                               init_process_group=False, timeout=180)[0]  # fmt: skip
         assert uninterrupted == resumed == [0.2 * 0.5**step for step in (3, 4, 5)], (strategy, resumed)
+
+
+def save_in_both_formats(path: str, order: str) -> list[str]:
+    """After one fsdp step at cp=2, save ``path`` as a folder and then as a file (or the other way round); return
+    the kind of checkpoint left after each save and the step the last one holds."""
+    os.environ["WORLD_SIZE"] = "2"
+    strategy = CPZigzagStrategy(data_parallel="fsdp")
+    trainer = pl.Trainer(
+        devices=2, strategy=strategy, callbacks=[ContextParallelLayoutCallback(**POLICY)], max_steps=1,
+        **TRAINER_OPTIONS,
+    )  # fmt: skip
+    trainer.fit(TinyTransformer(HYBRID), DataLoader(packed_batches(2), batch_size=None))
+    kinds = []
+    for distributed in (True, False) if order == "folder, then file" else (False, True):
+        strategy.save_distributed_checkpoint = distributed
+        trainer.save_checkpoint(path)
+        kinds.append("folder" if is_distributed_checkpoint(path) else "file" if Path(path).is_file() else "neither")
+    return kinds
+
+
+def test_a_checkpoint_saved_over_one_of_the_other_format_replaces_it(tmp_path: Path) -> None:
+    """``last.ckpt`` after switching ``save_distributed_checkpoint``: the new save replaces the old one in either
+    direction (before, a file saved over a folder vanished into it and the folder stayed, an older step)."""
+    for order in ("folder, then file", "file, then folder"):
+        path = str(tmp_path / f"{order}.ckpt")
+        expected = ["folder", "file"] if order == "folder, then file" else ["file", "folder"]
+        assert run_on_ranks(save_in_both_formats, 2, path, order, init_process_group=False) == [expected] * 2
+        assert sorted(entry.name for entry in tmp_path.iterdir() if entry.name.startswith(order)) == [Path(path).name]

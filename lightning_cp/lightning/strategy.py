@@ -133,6 +133,12 @@ class CPZigzagStrategy(DDPStrategy):
         check_attention_settings(attention_mode, ulysses_size, sequence_parallel, context_parallel_size)
         if data_parallel not in fsdp.DATA_PARALLEL_MODES:
             raise ValueError(f"data_parallel={data_parallel!r} is invalid: expected 'ddp' or 'fsdp'")
+        if start_method != "popen" and data_parallel == "fsdp":
+            raise ValueError(
+                f"start_method={start_method!r} with data_parallel='fsdp': the launching process would have to take "
+                "the sharded weights back when fit ends, which it cannot; use start_method='popen' (the default) or "
+                "data_parallel='ddp'"
+            )
         if tensor_parallel_size != 1 and data_parallel != "fsdp":
             raise ValueError(
                 f"tensor_parallel_size={tensor_parallel_size} needs data_parallel='fsdp': FSDP2 reduces the gradients "
@@ -448,8 +454,15 @@ class CPZigzagStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Write the checkpoint: one file from global rank 0, or a folder of shards from every rank."""
+        """Write the checkpoint: one file from global rank 0, or a folder of shards from every rank. A file replaces
+        a checkpoint folder of the same name (``last.ckpt`` after switching formats), which would otherwise swallow
+        it."""
         if not self.save_distributed_checkpoint:
+            path = Path(filepath)
+            if self.is_global_zero and path.is_dir():
+                if not state.is_distributed_checkpoint(path) and any(path.iterdir()):
+                    raise ValueError(f"cannot save the checkpoint file {path}: a folder that is no checkpoint is there")
+                self._remove_folder(path)
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
         state.save_distributed(checkpoint, Path(self.broadcast(str(filepath))), self.is_global_zero, self.broadcast)
@@ -471,12 +484,17 @@ class CPZigzagStrategy(DDPStrategy):
         never leaves something that still looks like a checkpoint."""
         path = Path(filepath)
         if self.is_global_zero and path.is_dir():
-            removing = path.with_name(path.name + ".removing")
-            shutil.rmtree(removing, ignore_errors=True)  # left by a removal that was interrupted
-            path.rename(removing)
-            shutil.rmtree(removing, ignore_errors=True)  # the other ranks go on: a failure here must not stop rank 0
+            self._remove_folder(path)
         else:
             super().remove_checkpoint(filepath)
+
+    @staticmethod
+    def _remove_folder(path: Path) -> None:
+        """Rename ``path`` aside, then delete it: an interrupted removal never leaves a half folder under its name."""
+        removing = path.with_name(path.name + ".removing")
+        shutil.rmtree(removing, ignore_errors=True)  # left by a removal that was interrupted
+        path.rename(removing)
+        shutil.rmtree(removing, ignore_errors=True)  # the other ranks go on: a failure here must not stop rank 0
 
     @classmethod
     @override
