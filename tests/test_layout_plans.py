@@ -202,3 +202,22 @@ def test_documented_plan_example():
     assert plan.reverse_send_indices.tolist() == [0, 2, 4]
     assert plan.reverse_receive_indices.tolist() == [0, 2, 3, 1]
     assert (plan.contiguous_local_token_count, plan.zigzag_local_token_count) == (4, 6)
+
+
+@pytest.mark.parametrize(
+    "change", ["a token placed twice", "an index past the tokens", "a token missing"], ids=lambda change: change
+)
+def test_malformed_rank_order_indices_give_every_rank_the_same_error(change: str) -> None:
+    """The whole order is checked, not only this rank's part, so every rank refuses it alike (before, one rank built
+    a plan and another raised, or raised an ``IndexError``)."""
+    indices, offsets = _build_thd_rank_order_indices(torch.tensor([0, 3, 8], dtype=torch.int32), None, 2, 1)
+    position_of_5, position_of_4 = int((indices == 5).nonzero()), int((indices == 4).nonzero())
+    if change == "a token placed twice":
+        indices[position_of_4] = 5
+    elif change == "an index past the tokens":
+        indices[position_of_4] = 9
+    else:
+        indices[position_of_5] = -1
+    for rank in range(2):
+        with pytest.raises(ValueError, match="rank_order_indices must place each of the 8 source tokens exactly once"):
+            _build_thd_cp_layout_plan_from_rank_order_indices(indices, 8, offsets, 2, rank)

@@ -212,6 +212,20 @@ def _split_sizes(logical_ranks: torch.Tensor, group_ranks: tuple[int, ...]) -> t
     return tuple(sizes)
 
 
+def _check_each_source_placed_once(indices: torch.Tensor, source_token_count: int) -> None:
+    """Refuse a global order that does not place every source token exactly once (checked whole, so every rank
+    holding the same order refuses it alike)."""
+    placed = indices[indices >= 0]
+    counts = torch.bincount(placed.clamp(max=source_token_count), minlength=source_token_count + 1)
+    if placed.numel() != source_token_count or bool((counts[:source_token_count] != 1).any()):
+        raise ValueError(
+            f"rank_order_indices must place each of the {source_token_count} source tokens exactly once (and name "
+            f"none past them); {int(counts[source_token_count])} entries are past them, "
+            f"{int((counts[:source_token_count] == 0).sum())} tokens missing, "
+            f"{int((counts[:source_token_count] > 1).sum())} placed more than once"
+        )
+
+
 def _build_thd_cp_layout_plan_from_rank_order_indices(
     rank_order_indices: torch.Tensor,
     source_token_count: int,
@@ -247,6 +261,7 @@ def _build_thd_cp_layout_plan_from_rank_order_indices(
     contiguous_count = source_token_count // group_size
     logical_rank = cp_rank * tp_size + tp_rank
     indices = rank_order_indices.to(torch.int64)
+    _check_each_source_placed_once(indices, source_token_count)
     first_source = logical_rank * contiguous_count
 
     # Forward send: every zigzag slot (of any receiver) that holds one of this rank's tokens, in slot order.
