@@ -156,6 +156,9 @@ def test_a_pretrained_model_takes_saved_configs_but_no_changed_architecture() ->
         (["trainer.max_epochs=-5"], r"trainer.max_epochs: got -5"),
         (["trainer.gradient_clip_val=-1"], r"trainer.gradient_clip_val: got -1.0; expected null or 0"),
         (["trainer.limit_val_batches=abc"], r"trainer.limit_val_batches: got abc; expected batches"),
+        (["trainer.devices=[0,1]"], r"trainer.devices: got \[0, 1\]; on CPU give the number of processes"),
+        (["trainer.devices=-1"], r"trainer.devices: got -1; on CPU give the number of processes"),
+        (["trainer.devices=auto"], r"trainer.devices: got 'auto'; on CPU give the number of processes"),
         (["trainer.limit_val_batches=1.5"], r"trainer.limit_val_batches: got 1.5"),
         (
             ["strategy.data_parallel_size=1", "strategy.context_parallel_size=1"],

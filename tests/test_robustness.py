@@ -42,10 +42,16 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path: Path, capsys) -> 
     assert "refused to open" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("content", [b"", b"hello, not a checkpoint", b"PK\x03\x04truncated"])
-def test_what_is_not_a_checkpoint_is_named_as_such(tmp_path: Path, content: bytes, capsys) -> None:
+@pytest.mark.parametrize(
+    "content", [b"", b"hello, not a checkpoint", b"PK\x03\x04truncated", "a plain state dict", "a tensor"]
+)
+def test_what_is_not_a_checkpoint_is_named_as_such(tmp_path: Path, content: bytes | str, capsys) -> None:
+    """Unreadable bytes, and readable torch files that are no Lightning checkpoint (weights alone), alike."""
     broken = tmp_path / "broken.ckpt"
-    broken.write_bytes(content)
+    if isinstance(content, bytes):
+        broken.write_bytes(content)
+    else:
+        torch.save({"weight": torch.zeros(2)} if content == "a plain state dict" else torch.zeros(2), broken)
     assert main(["validate", f"checkpoint.init_from={broken}", f"run.root={tmp_path}"]) == 2
     assert f"not a checkpoint (truncated or not written by lightning-cp): {broken}" in capsys.readouterr().err
 
@@ -57,7 +63,7 @@ def test_a_new_run_never_writes_into_an_existing_run_folder(tmp_path: Path, caps
     os.environ.pop(runfolder.RUN_DIR_ENV, None)
     assert main(["fit", f"run.root={tmp_path}", "run.name=base"]) == 2
     error = capsys.readouterr().err
-    assert "holds another run" in error and "checkpoint.resume_from=last run.name=base" in error
+    assert "holds another run" in error and "checkpoint.resume_from=auto run.name=base" in error
     assert (folder / "config.yaml").read_text() == "seed: 1\n"
 
 
@@ -100,7 +106,7 @@ def test_resume_from_last_falls_back_to_the_newest_intact_checkpoint(tmp_path: P
     folder = tmp_path / "checkpoints"
     folder.mkdir()
     for name in ("step000004.ckpt", "step000008.ckpt"):
-        torch.save({"global_step": int(name[4:10])}, folder / name)
+        torch.save({"global_step": int(name[4:10]), "state_dict": {}}, folder / name)
     (folder / "last.ckpt").write_bytes(b"")  # killed mid-save
     from lightning_cp.train.runner import is_readable_checkpoint
 
@@ -125,7 +131,7 @@ def test_resume_from_auto_resumes_a_checkpoint_or_restarts_a_folder_without_one(
     (run_dir / "checkpoints").mkdir()
     (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"")  # killed mid-save, and nothing older: restart
     assert runfolder.resolve_checkpoint("auto", run_dir, is_readable_checkpoint) is None
-    torch.save({"global_step": 3}, run_dir / "checkpoints" / "step000003.ckpt")
+    torch.save({"global_step": 3, "state_dict": {}}, run_dir / "checkpoints" / "step000003.ckpt")
     assert runfolder.resolve_checkpoint("auto", run_dir, is_readable_checkpoint) == str(
         run_dir / "checkpoints" / "step000003.ckpt"
     )

@@ -351,6 +351,10 @@ def _check_values(cfg: DictConfig) -> None:
     if cp is not None and cp < 1:
         raise ConfigError(f"strategy.context_parallel_size: got {cp}; expected an integer >= 1 or null")
     devices = cfg.trainer.devices
+    process_count = isinstance(devices, int) and not isinstance(devices, bool) and devices > 0
+    if cfg.trainer.accelerator.value == "cpu" and not process_count:
+        shown = list(devices) if OmegaConf.is_list(devices) else f"'{devices}'" if isinstance(devices, str) else devices
+        raise ConfigError(f"trainer.devices: got {shown}; on CPU give the number of processes (cp x tp x dp)")
     per_node = len(devices) if OmegaConf.is_list(devices) else devices
     tp = cfg.strategy.tensor_parallel_size
     known_devices = isinstance(per_node, int) and not isinstance(per_node, bool) and per_node > 0
@@ -374,8 +378,6 @@ def _check_values(cfg: DictConfig) -> None:
                 f"strategy.data_parallel_size={dp} x context_parallel_size x tensor_parallel_size = {dp * group} is "
                 f"not the world size {world}: give {world // group} or auto"
             )
-    elif isinstance(devices, str) and devices == "auto" and cfg.trainer.accelerator.value == "cpu":
-        raise ConfigError("trainer.devices: got 'auto'; on CPU give the number of processes (cp x tp x dp)")
     elif not (isinstance(devices, str) and devices == "auto") and not OmegaConf.is_list(devices) and devices != -1:
         raise ConfigError(f"trainer.devices: got '{devices}'; expected a positive integer, a list of ids, -1 or auto")
     _check_sharding(cfg)

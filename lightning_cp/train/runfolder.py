@@ -91,8 +91,9 @@ def check_fresh_or_resumed(run_dir: Path, resuming: bool) -> None:
         return
     if not resuming and run_dir.exists() and any(run_dir.iterdir()):
         raise ConfigError(
-            f"run folder {run_dir} holds another run: continue it with checkpoint.resume_from=last "
-            f"run.name={run_dir.name}, or choose a new run.name"
+            f"run folder {run_dir} holds another run: continue it with checkpoint.resume_from=auto "
+            f"run.name={run_dir.name} (from its newest checkpoint, or afresh when it saved none), or choose a new "
+            "run.name"
         )
     linked = [path for path in (run_dir, *run_dir.glob("*"), *run_dir.glob(f"{CHECKPOINT_DIR}/*")) if path.is_symlink()]
     if linked:

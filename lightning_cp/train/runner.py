@@ -371,16 +371,22 @@ def load_checkpoint_meta(path: str) -> dict[str, Any]:
     """
     if Path(path).is_dir() and not state.is_distributed_checkpoint(path):
         raise ConfigError(f"not a checkpoint (an incomplete folder, or not written by lightning-cp): {path}")
+    folder = Path(path).is_dir()
     try:
-        if Path(path).is_dir():
-            return torch.load(Path(path) / state.META_FILE, map_location="cpu", weights_only=True)
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if folder:
+            meta = torch.load(Path(path) / state.META_FILE, map_location="cpu", weights_only=True)
+        else:
+            meta = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError:
         raise ConfigError(
             f"refused to open {path}: it holds objects other than tensors and plain values (code could run)"
         ) from None
     except (RuntimeError, OSError, EOFError, ValueError):
         raise ConfigError(f"not a checkpoint (truncated or not written by lightning-cp): {path}") from None
+    needed = ("global_step",) if folder else ("global_step", "state_dict")  # a plain state dict, weights alone
+    if not isinstance(meta, dict) or any(key not in meta for key in needed):
+        raise ConfigError(f"not a checkpoint (truncated or not written by lightning-cp): {path}")
+    return meta
 
 
 def is_readable_checkpoint(path: str) -> bool:
