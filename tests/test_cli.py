@@ -50,6 +50,22 @@ def test_fit_writes_a_complete_run_folder_and_the_loss_falls(full_run: Path) -> 
     assert torch.load(full_run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 24
 
 
+def test_resuming_under_other_data_settings_names_them(full_run: Path) -> None:
+    """A checkpoint keeps the settings that made its training stream; a resume that changes them is told which (the
+    saved sample count then applies to another stream)."""
+    from lightning_cp.train.config import load_config
+    from lightning_cp.train.runner import _stream_changes
+
+    checkpoint = torch.load(full_run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert _stream_changes(load_config(None, SHORT), checkpoint) == []
+    changed = load_config(None, [*SHORT, "data.tokens_per_sample=256", "seed=7"])
+    seed = load_config(None, SHORT).seed
+    assert _stream_changes(changed, checkpoint) == [
+        "data.tokens_per_sample=256 (the checkpoint's: 512)",
+        f"seed=7 (the checkpoint's: {seed})",
+    ]
+
+
 def test_validate_reports_the_checkpoint_loss(full_run: Path) -> None:
     result = run_cli("validate", *SHORT, f"checkpoint.init_from={full_run}/checkpoints/last.ckpt")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -412,6 +412,18 @@ def check_checkpoint_fits(cfg: DictConfig, path: str, key: str) -> dict[str, Any
     return checkpoint
 
 
+def _stream_changes(cfg: DictConfig, checkpoint: dict[str, Any]) -> list[str]:
+    """The data settings a checkpoint's training stream was made with that the config changes, each as a phrase."""
+    saved = checkpoint.get(PackedTextDataModule.__qualname__, {}).get("stream", {})
+    changes = []
+    for key, value in saved.items():
+        now = OmegaConf.select(cfg, key)
+        now = OmegaConf.to_container(now) if OmegaConf.is_config(now) else now
+        if now != value:
+            changes.append(f"{key}={now!r} (the checkpoint's: {value!r})")
+    return changes
+
+
 def check_data_sources(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for a data source path that does not exist, or a model or tokenizer folder written as a
     path (not a hub name) that does not."""
@@ -458,7 +470,13 @@ def prepare_run(cfg: DictConfig) -> tuple[Path, str | None]:
     cfg.checkpoint.init_from = runfolder.resolve_checkpoint(cfg.checkpoint.init_from, run_dir)
     if cfg.checkpoint.init_from:
         check_checkpoint_fits(cfg, cfg.checkpoint.init_from, "checkpoint.init_from")
-    step = check_checkpoint_fits(cfg, resume, "checkpoint.resume_from")["global_step"] if resume is not None else 0
+    resumed = check_checkpoint_fits(cfg, resume, "checkpoint.resume_from") if resume is not None else {}
+    step = resumed.get("global_step", 0)
+    for change in _stream_changes(cfg, resumed):
+        rank_zero_info(
+            f"lightning-cp: resuming with {change}: the run continues at the checkpoint's sample count in the "
+            "stream these settings make, so samples may repeat or be skipped"
+        )
     if (resume is not None or fresh_in_old_folder) and rank_zero_only.rank == 0:
         runfolder.truncate_metrics(run_dir / runfolder.METRICS_FILE, step)
     if rank_zero_only.rank == 0:

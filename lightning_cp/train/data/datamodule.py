@@ -573,11 +573,25 @@ class PackedTextDataModule(pl.LightningDataModule):
         """This rank's batches of the current epoch that training has done (Lightning's count; restored on resume)."""
         return trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
-    def state_dict(self) -> dict[str, int]:
+    def stream_settings(self) -> dict[str, Any]:
+        """The settings that make the training sample stream, by their ``lightning-cp`` config keys: a saved position
+        counts samples of the stream these made."""
+        return {
+            "data.sources": list(self.sources),
+            "data.val_sources": self.val_sources,
+            "data.val_fraction": self.val_fraction,
+            "data.split_seed": self.split_seed,
+            "data.tokens_per_sample": self.tokens_per_sample,
+            "data.packed": self.packed,
+            "data.shuffle": self.shuffle,
+            "seed": self.seed,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
         """Where training stands: the epoch, how many samples of its stream (over all replicas) are done, and over
-        how many replicas. Saved in every checkpoint, so a resumed run continues with the next unseen sample. A run
-        that has ended is still in its last epoch (Lightning counts the next one already); with ``max_steps`` alone
-        the epoch is 0, that of the one stream."""
+        how many replicas, with the settings that made the stream. Saved in every checkpoint, so a resumed run
+        continues with the next unseen sample. A run that has ended is still in its last epoch (Lightning counts the
+        next one already); with ``max_steps`` alone the epoch is 0, that of the one stream."""
         if self.trainer is None:
             return {}
         start = self._resumed_at
@@ -588,7 +602,7 @@ class PackedTextDataModule(pl.LightningDataModule):
         num_replicas = self._replicas()[0]
         since = self._batches_done(self.trainer) - start.batches
         done = start.samples + since * num_replicas * self.samples_per_batch
-        return {"epoch": start.epoch, "samples": done, "replicas": num_replicas}
+        return {"epoch": start.epoch, "samples": done, "replicas": num_replicas, "stream": self.stream_settings()}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         """Take the position a checkpoint saved (read when the training loader is built; Lightning builds one only
