@@ -208,3 +208,12 @@ def test_a_yaml_list_is_not_a_configuration(tmp_path) -> None:
     path.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="not a YAML mapping of sections"):
         load_config(str(path))
+
+
+def test_a_text_file_given_as_configuration_is_named_in_one_short_line(tmp_path) -> None:
+    """Plain text reads as YAML with one long key: the error shows its start, not the whole file."""
+    path = tmp_path / "notes.txt"
+    path.write_text(" ".join(["words"] * 200) + "\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'words words .{40,50}\.\.\.' in ") as raised:
+        load_config(str(path))
+    assert len(str(raised.value)) < 300

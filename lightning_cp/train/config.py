@@ -289,7 +289,9 @@ def _explain(error: OmegaConfBaseException, origin: str, layer: Any) -> ConfigEr
         holder, leaf = _schema_node(full_key)
         section = full_key.rsplit(".", 1)[0] if "." in full_key else "top level"
         allowed = ", ".join(f.name for f in dataclasses.fields(holder)) if holder else ""
-        return ConfigError(f"unknown key '{full_key or leaf}' in {origin}; allowed keys in {section}: {allowed}")
+        key = full_key or leaf
+        key = key if len(key) <= 60 else f"{key[:57]}..."  # a text file read as YAML is one long key
+        return ConfigError(f"unknown key '{key}' in {origin}; allowed keys in {section}: {allowed}")
     if isinstance(error, ValidationError):
         value = OmegaConf.select(layer, full_key, default="?", throw_on_missing=False)
         return ConfigError(f"{full_key}: got '{value}'; expected {_describe(full_key)} (in {origin})")
