@@ -301,7 +301,7 @@ def _rank_main(rank: int, cp: int, port: int, settings: Settings, results: mp.Qu
                 for kind, case in CASES.items():
                     rows.append((kind, cp, tokens, hidden, case(cp, rank, tokens, hidden, settings)))
                     if rank == 0:
-                        print(f"  cp={cp} {kind:6} tokens={tokens:>7} hidden={hidden}: {rows[-1][-1]}", flush=True)
+                        print(f"  cp={cp} {kind:12} tokens={tokens:>7} hidden={hidden}: {rows[-1][-1]}", flush=True)
     finally:
         dist.destroy_process_group()
     if rank == 0:

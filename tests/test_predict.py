@@ -98,14 +98,26 @@ def test_validation_loss_over_replicas_is_one_devices():
         assert abs(loss - expected) <= 1e-6 * abs(expected), (loss, expected)
 
 
-def fsdp_predict(batch_count: int) -> list[np.ndarray]:
-    """The built-in model's predictions of the first ``batch_count`` batches under ``fsdp`` over two replicas."""
+class _Stream(torch.utils.data.IterableDataset):
+    """The batches as a stream without a length (every replica reads all of them)."""
+
+    def __init__(self, items: list[dict[str, torch.Tensor]]) -> None:
+        self.items = items
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+def fsdp_predict(batch_count: int, stream: bool = False) -> list[np.ndarray]:
+    """The built-in model's predictions of the first ``batch_count`` batches under ``fsdp`` over two replicas (a
+    ``stream``: from an iterable dataset, which Lightning does not split)."""
     os.environ["WORLD_SIZE"] = "2"
     torch.manual_seed(0)
     tiny = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 64}
     strategy = CPZigzagStrategy(context_parallel_size=1, data_parallel="fsdp")
     trainer = pl.Trainer(devices=2, strategy=strategy, **TRAINER_OPTIONS)
-    loader = DataLoader(batches()[:batch_count], batch_size=None)
+    items = batches()[:batch_count]
+    loader = DataLoader(_Stream(items) if stream else items, batch_size=None)
     return [prediction.numpy() for prediction in trainer.predict(LlamaLM(**tiny).double(), loader)]
 
 
@@ -122,3 +134,7 @@ def test_fsdp_predict_over_replicas_is_one_devices_or_refused_when_they_would_wa
     assert_same_error_on_every_rank(
         fsdp_predict, 2, 3, match="different numbers of batches", init_process_group=False, timeout=100
     )
+    for predictions in run_on_ranks(fsdp_predict, 2, 4, True, init_process_group=False, timeout=100):
+        assert len(predictions) == 4  # a stream has no length to compare: every replica reads it all
+        for got, expected in zip(predictions, reference, strict=True):
+            np.testing.assert_allclose(got, expected, rtol=0, atol=1e-10)

@@ -342,7 +342,7 @@ def _blocks_called(order: list[int], zigzag_layers: tuple[str, ...]) -> float:
     ("order", "zigzag_layers", "match"),
     [
         ([0, 0, 1, 2, 3, 4], ("*AttentionBlock",), "wrapped layer 0 got the residual stream in the zigzag layout, not "
-         "the contiguous one layer -1 leaves"),
+         "the boundary (contiguous)"),
         ([2, 3, 0, 1, 4], ("*AttentionBlock",), "wrapped layer 2 got the residual stream in the contiguous layout"),
         ([0, 1], ("*AttentionBlock",), "the loss met the residual stream in the zigzag layout"),
         ([0, 1, 2, 3, 4], ("blocks.0", "blocks.4"), "cp_attention outside the wrapped layers met the residual stream"),

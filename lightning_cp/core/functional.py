@@ -133,7 +133,7 @@ def cp_previous_tokens(hidden_states: torch.Tensor, count: int = 1) -> torch.Ten
     shape = (rows, count, *hidden_states.shape[2:])
     step = active_step()
     group = None if step is None else step.loss_group  # the ranks holding the contiguous shards, TP ones under SP
-    if group is None or group.size() == 1:
+    if group is None or comm.group_size(group) == 1:
         return hidden_states.new_zeros(shape)
     step.require_stream_at_boundary("cp_previous_tokens outside the wrapped layers")
     if step.current_layout != CPLayout.CONTIGUOUS:

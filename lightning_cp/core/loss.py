@@ -85,7 +85,7 @@ class _ChunkLossSum(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         valid = labels != IGNORE_INDEX
         targets = labels.masked_fill(~valid, 0)
-        accumulate = torch.promote_types(logits.dtype, torch.float32)
+        accumulate = _accumulation_dtype(logits)
         lse = torch.logsumexp(logits.to(accumulate), dim=-1)
         target_logits = logits.gather(1, targets.unsqueeze(1)).squeeze(1).to(accumulate)
         ctx.save_for_backward(logits, lse, targets, valid)
@@ -107,10 +107,15 @@ class _ChunkLossSum(torch.autograd.Function):
         return grad, None
 
 
+def _accumulation_dtype(logits: torch.Tensor) -> torch.dtype:
+    """The dtype losses are summed in: float32 at least, as cross-entropy under autocast and Hugging Face's loss."""
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
 def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum the cross-entropy of the valid targets (``-100`` ignored; int32 labels, such as shifted int32 ids, too), in
     float32 at least: bf16 logits are upcast, as Hugging Face's loss and cross-entropy under autocast do."""
-    accumulate = torch.promote_types(logits.dtype, torch.float32)
+    accumulate = _accumulation_dtype(logits)
     return F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).to(accumulate),
         labels.reshape(-1).long(),

@@ -97,10 +97,10 @@ def _refuse_positional_token_inputs(
     """Raise for a per-token tensor (``[B, S, ...]`` as the hidden states are, in either layout) among a wrapped
     layer's positional arguments after the first: only keyword side inputs are converted, so it would meet the hidden
     states in another token order (Gemma 3n's and Gemma 4's per-layer inputs and rotary tables, a residual passed
-    alongside)."""
+    alongside). A ``[B, D]`` tensor with ``D`` equal to a shard's token count reads as per-token too."""
     outside = step.boundary_layout
     rows, lengths = args[0].shape[0], {args[0].shape[1]}
-    plan = step.layout_state.thd_plan if step.layout_state is not None else None
+    plan = step.layout_state.thd_plan
     if plan is not None:
         lengths |= {plan.contiguous_local_token_count, plan.zigzag_local_token_count}
 

@@ -186,24 +186,24 @@ class ContextParallelStep:
 
     def enter_layer(self, layer_index: int, layout: CPLayout, hidden_states: torch.Tensor) -> torch.Tensor:
         """Convert a wrapped layer's input to its layout and make that layout current; in the forward, refuse a layer
-        whose input is not in the layout its predecessor in module order leaves (one that runs twice or out of
-        order), since the conversion follows that order."""
+        whose input is not in the layout its predecessor in module order leaves (a layer run twice or out of order
+        where that changes the layout it gets), since the conversion follows that order."""
         converted = hidden_states
         forward = not (self.recomputing or in_backward())
         if self.layout_state is not None and forward:
             expected = self.layout_state.layout_of_layer(layer_index - 1)
             if self.stream_layout != expected:
+                before = "the boundary" if layer_index == 0 else f"the one layer {layer_index - 1} leaves"
                 raise ValueError(
                     f"wrapped layer {layer_index} got the residual stream in the {self.stream_layout.value} layout, "
-                    f"not the {expected.value} one layer {layer_index - 1} leaves: wrapped layers must each run once "
-                    "per forward, in module order (a layer run twice, out of order or skipped needs its own place in "
-                    "the policy)"
+                    f"not {before} ({expected.value}): wrapped layers must each run once per forward, in module "
+                    "order"
                 )
         if self.layout_state is not None:
             converted, _ = self.layout_state.prepare_layer(layer_index, hidden_states)
             if forward:
                 self._stream_layout = layout
-        self.layer_conversion_count += converted is not hidden_states and not (self.recomputing or in_backward())
+        self.layer_conversion_count += converted is not hidden_states and forward
         self._current_layout = layout
         return converted
 

@@ -168,10 +168,10 @@ class HFCausalLM(CausalLMModule):
         **from_pretrained: keyword arguments of ``from_pretrained``; ``dtype`` defaults to float32 (the weights
             train in it; ``bf16-mixed`` computes in bf16), not the checkpoint's own dtype.
 
-    The model is switched to the ``"lightning_cp"`` attention, and to training mode when it comes in evaluation mode
-    (as ``from_pretrained`` returns it; Lightning would keep it so); labels are never passed to it (the batch's are
-    already shifted per document), the loss is ``cp_cross_entropy`` on its logits (with ``loss_chunk_tokens``,
-    ``cp_chunked_cross_entropy`` on the decoder's hidden states).
+    The model is switched to the ``"lightning_cp"`` attention, and to training mode when it comes wholly in
+    evaluation mode (as ``from_pretrained`` returns it; Lightning would keep it so); labels are never passed to it
+    (the batch's are already shifted per document), the loss is ``cp_cross_entropy`` on its logits (with
+    ``loss_chunk_tokens``, ``cp_chunked_cross_entropy`` on the decoder's hidden states).
     """
 
     _PROBE_TOKENS = 8
@@ -203,7 +203,7 @@ class HFCausalLM(CausalLMModule):
             raise ValueError(
                 f"{type(model).__name__} uses ALiBi position biases, which the '{ATTENTION_NAME}' attention cannot add"
             )
-        if not model.training:  # from_pretrained returns it in evaluation mode, which Lightning would keep
+        if not any(module.training for module in model.modules()):  # as from_pretrained returns it; Lightning keeps it
             model.train()
         if gradient_checkpointing:  # newer transformers renamed it; the old name warns there
             getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()

@@ -15,6 +15,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.data import has_len
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -301,7 +302,7 @@ class CPZigzagStrategy(DDPStrategy):
         mesh, trainer = self.cp_mesh, self.lightning_module.trainer
         if trainer.state.fn != TrainerFn.PREDICTING or self.data_parallel != "fsdp" or mesh.dims.data_parallel == 1:
             return dataloader
-        count = len(dataloader) if hasattr(dataloader, "__len__") else -1
+        count = len(dataloader) if has_len(dataloader) else -1
         limit = trainer.limit_predict_batches
         if count > 0:  # as Lightning applies the limit
             count = min(count, limit) if isinstance(limit, int) else int(count * limit)
@@ -458,12 +459,25 @@ class CPZigzagStrategy(DDPStrategy):
         a checkpoint folder of the same name (``last.ckpt`` after switching formats), which would otherwise swallow
         it."""
         if not self.save_distributed_checkpoint:
-            path = Path(filepath)
+            path, replaced, problem = Path(filepath), None, None
             if self.is_global_zero and path.is_dir():
-                if not state.is_distributed_checkpoint(path) and any(path.iterdir()):
-                    raise ValueError(f"cannot save the checkpoint file {path}: a folder that is no checkpoint is there")
-                self._remove_folder(path)
-            super().save_checkpoint(checkpoint, filepath, storage_options)
+                if state.is_distributed_checkpoint(path) or not any(path.iterdir()):
+                    replaced = path.with_name(path.name + ".replaced")  # kept until the file is written
+                    shutil.rmtree(replaced, ignore_errors=True)
+                    path.rename(replaced)
+                else:
+                    problem = f"cannot save the checkpoint file {path}: a folder that is no checkpoint is there"
+            problem = self.broadcast(problem)
+            if problem:
+                raise ValueError(problem)
+            try:
+                super().save_checkpoint(checkpoint, filepath, storage_options)
+            except BaseException:
+                if replaced is not None and not path.exists():
+                    replaced.rename(path)
+                raise
+            if replaced is not None:
+                shutil.rmtree(replaced, ignore_errors=True)
             return
         state.save_distributed(checkpoint, Path(self.broadcast(str(filepath))), self.is_global_zero, self.broadcast)
 

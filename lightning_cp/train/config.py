@@ -287,8 +287,8 @@ def _explain(error: OmegaConfBaseException, origin: str, layer: Any) -> ConfigEr
     full_key = getattr(error, "full_key", None) or ""
     if isinstance(error, ConfigKeyError) or "not in" in str(error):
         holder, leaf = _schema_node(full_key)
-        section = full_key.rsplit(".", 1)[0] if "." in full_key else "top level"
-        allowed = ", ".join(f.name for f in dataclasses.fields(holder)) if holder else ""
+        section = full_key.rsplit(".", 1)[0] if "." in full_key and holder else "top level"
+        allowed = ", ".join(f.name for f in dataclasses.fields(holder or Config))
         key = full_key or leaf
         key = key if len(key) <= 60 else f"{key[:57]}..."  # a text file read as YAML is one long key
         return ConfigError(f"unknown key '{key}' in {origin}; allowed keys in {section}: {allowed}")

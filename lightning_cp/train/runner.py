@@ -415,13 +415,11 @@ def check_checkpoint_fits(cfg: DictConfig, path: str, key: str) -> dict[str, Any
 def _stream_changes(cfg: DictConfig, checkpoint: dict[str, Any]) -> list[str]:
     """The data settings a checkpoint's training stream was made with that the config changes, each as a phrase."""
     saved = checkpoint.get(PackedTextDataModule.__qualname__, {}).get("stream", {})
-    changes = []
-    for key, value in saved.items():
-        now = OmegaConf.select(cfg, key)
-        now = OmegaConf.to_container(now) if OmegaConf.is_config(now) else now
-        if now != value:
-            changes.append(f"{key}={now!r} (the checkpoint's: {value!r})")
-    return changes
+    if not saved:
+        return []
+    current = build_datamodule(cfg, ByteTokenizer()).stream_settings()  # the tokenizer makes no stream setting
+    return [f"{key}={current[key]!r} (the checkpoint's: {value!r})" for key, value in saved.items()
+            if key in current and current[key] != value]  # fmt: skip
 
 
 def check_data_sources(cfg: DictConfig) -> None:

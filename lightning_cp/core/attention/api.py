@@ -192,12 +192,11 @@ def _require_agreement(
     fields.update(mode=mode, backend=backend, causal=causal, softmax_scale=softmax_scale, packed=params is not None)
     fields["hybrid sub-groups"] = tuple(None if group is None else group.size() for group in sub_groups)
     if params is not None:
-        for field in dataclasses.fields(params):
-            value = getattr(params, field.name)
-            if field.name.startswith("cu_seqlens") and isinstance(value, Tensor):
-                fields[field.name] = host_copies(value)[0]
-            else:
-                fields[field.name] = tensor_description(value) if isinstance(value, Tensor) else repr(value)
+        names = ("cu_seqlens_q", "cu_seqlens_q_padded", "cu_seqlens_kv", "cu_seqlens_kv_padded")
+        offsets = [getattr(params, name) for name in names]
+        copies = host_copies(*(value if isinstance(value, Tensor) else None for value in offsets))  # one transfer
+        for name, value, copy in zip(names, offsets, copies, strict=True):
+            fields[name] = copy if isinstance(value, Tensor) else repr(value)
     require_agreement("zigzag_attention", fields, cp_group)
     return non_finite
 

@@ -604,7 +604,7 @@ class PackedTextDataModule(pl.LightningDataModule):
         done = start.samples + since * num_replicas * self.samples_per_batch
         return {"epoch": start.epoch, "samples": done, "replicas": num_replicas, "stream": self.stream_settings()}
 
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take the position a checkpoint saved (read when the training loader is built; Lightning builds one only
         once, so a loader built before this restore is dropped). Lightning's warning that a mid-epoch resume of a
         plain loader is unreliable does not apply to this one: it is filtered out, process-wide."""
