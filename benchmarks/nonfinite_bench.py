@@ -71,7 +71,8 @@ def main() -> None:
     block = 1024
     qb = torch.randn(1, heads, block, dim)
     kb, vb = (torch.randn(1, kv_heads, block, dim) for _ in range(2))
-    mask = torch.rand(block, block) < 0.5
+    positions = torch.arange(block)  # two documents interleaved at random: half the pairs attend
+    mask = kernels.TileMask(torch.randint(0, 2, (block,)), positions, torch.randint(0, 2, (block,)), positions, False)
     scale = dim**-0.5
     whole = slice(0, block)
     tiles = ZigzagGeometry.packed(1, cu.diff().tolist()).rank_tokens
