@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from lightning_cp.train.cli import main
@@ -208,6 +209,13 @@ def test_a_yaml_list_is_not_a_configuration(tmp_path) -> None:
     path.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="not a YAML mapping of sections"):
         load_config(str(path))
+
+
+def test_auto_accelerator_on_a_host_without_gpus_needs_a_process_count(monkeypatch) -> None:
+    """``accelerator=auto`` is the CPU where no GPU is: ``devices=-1`` is refused as it is with ``accelerator=cpu``."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="trainer.devices: got -1; on CPU give the number of processes"):
+        load_config(None, ["trainer.accelerator=auto", "trainer.devices=-1"])
 
 
 def test_a_text_file_given_as_configuration_is_named_in_one_short_line(tmp_path) -> None:

@@ -11,6 +11,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
@@ -354,7 +355,9 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"strategy.context_parallel_size: got {cp}; expected an integer >= 1 or null")
     devices = cfg.trainer.devices
     process_count = isinstance(devices, int) and not isinstance(devices, bool) and devices > 0
-    if cfg.trainer.accelerator.value == "cpu" and not process_count:
+    accelerator = cfg.trainer.accelerator.value
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    if on_cpu and not process_count:
         shown = list(devices) if OmegaConf.is_list(devices) else f"'{devices}'" if isinstance(devices, str) else devices
         raise ConfigError(f"trainer.devices: got {shown}; on CPU give the number of processes (cp x tp x dp)")
     per_node = len(devices) if OmegaConf.is_list(devices) else devices
