@@ -99,6 +99,17 @@ def test_checkpoint_or_data_that_does_not_fit_is_a_clear_error(full_run: Path, t
     assert not (tmp_path / "none").exists()
 
 
+def test_a_built_in_checkpoint_with_model_pretrained_names_that_mismatch(full_run: Path) -> None:
+    """Not the architecture defaults that ``model.pretrained`` leaves unset, which the user would then set in vain."""
+    from lightning_cp.train.config import ConfigError, load_config
+    from lightning_cp.train.runner import check_checkpoint_fits
+
+    cfg = load_config(None, ["model.pretrained=some/model"])
+    ckpt = str(full_run / "checkpoints" / "last.ckpt")
+    with pytest.raises(ConfigError, match="holds the built-in model, but model.pretrained is set: leave it out"):
+        check_checkpoint_fits(cfg, ckpt, "checkpoint.resume_from")
+
+
 def test_hybrid_policy_config_runs_with_one_conversion_per_layout_change(tmp_path: Path) -> None:
     overrides = ["model.num_layers=4", "trainer.max_steps=3", f"run.root={tmp_path}", "run.name=h"]
     result = run_cli("fit", "--config", "hybrid", *SHORT, *overrides)

@@ -402,6 +402,8 @@ def check_checkpoint_fits(cfg: DictConfig, path: str, key: str) -> dict[str, Any
     """Return the checkpoint; raise ``ConfigError`` naming each ``model.*`` value that differs from its own."""
     checkpoint = load_checkpoint_meta(path)
     saved = checkpoint.get("hyper_parameters", {})
+    if cfg.model.pretrained and "hidden_size" in saved:  # the built-in model's architecture, not a pretrained one's
+        raise ConfigError(f"{key}={path} holds the built-in model, but model.pretrained is set: leave it out")
     differing = [
         f"model.{name} is {saved[name]!r} in the checkpoint but {value!r} in the config"
         for name, value in plain(cfg.model).items()
