@@ -170,11 +170,15 @@ class ContextParallelStep:
         """Return the layout the residual stream is in during the forward (between wrapped layers: the last one's)."""
         return self.boundary_layout if self._stream_layout is None else self._stream_layout
 
+    def _in_forward(self) -> bool:
+        """Whether the forward runs now (not a recomputation in backward), where the stream's layout is followed."""
+        return not (self.recomputing or in_backward())
+
     def require_stream_at_boundary(self, what: str) -> None:
         """Raise when ``what`` (a loss, a gathered output, attention outside the wrapped layers) meets the residual
         stream in another layout than the boundary one during the forward: a wrapped layer ran out of order, twice,
         or not at all, or an unwrapped block sits between two wrapped ones."""
-        if self._current_layout is not None or self.recomputing or in_backward():
+        if self._current_layout is not None or not self._in_forward():
             return
         if self.stream_layout != self.boundary_layout:
             raise ValueError(
@@ -189,7 +193,7 @@ class ContextParallelStep:
         whose input is not in the layout its predecessor in module order leaves (a layer run twice or out of order
         where that changes the layout it gets), since the conversion follows that order."""
         converted = hidden_states
-        forward = not (self.recomputing or in_backward())
+        forward = self._in_forward()
         if self.layout_state is not None and forward:
             expected = self.layout_state.layout_of_layer(layer_index - 1)
             if self.stream_layout != expected:
@@ -213,10 +217,11 @@ class ContextParallelStep:
         if self.layout_state is None:
             return hidden_states
         restored = self.layout_state.finalize_layer(layer_index, hidden_states)
-        if not (self.recomputing or in_backward()):
+        forward = self._in_forward()
+        if forward:
             last = layer_index == len(self.layout_state.manager.layer_layouts) - 1
             self._stream_layout = self.boundary_layout if last else self.layout_state.layout_of_layer(layer_index)
-        self.layer_conversion_count += restored is not hidden_states and not (self.recomputing or in_backward())
+        self.layer_conversion_count += restored is not hidden_states and forward
         return restored
 
     def resume_in_backward(self, layer_index: int | None, layout: CPLayout | None) -> None:
