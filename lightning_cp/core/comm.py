@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+_Function = TypeVar("_Function", bound=Callable)
+
+
+def eager_under_compile(function: _Function) -> _Function:
+    """Run ``function`` eagerly under ``torch.compile`` (a graph break around the call).
+
+    What talks to other ranks keeps host state dynamo cannot trace: process groups, plans cached per batch, staging
+    buffers reused between calls (inductor would save views of them for the backward). Kept out of the graph, the
+    compiled code around it stays exact and does not recompile for each batch's plan.
+    """
+    return torch.compiler.disable(function, recursive=True)
 
 
 class SentBytes:

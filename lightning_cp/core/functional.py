@@ -49,6 +49,7 @@ def local_attention(
     return torch.cat(outputs, dim=2).transpose(1, 2)
 
 
+@comm.eager_under_compile
 def cp_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -105,6 +106,7 @@ def cp_attention(
     return output
 
 
+@comm.eager_under_compile
 def cp_gather_sequence(tensor: torch.Tensor) -> torch.Tensor:
     """Return the replica batch's whole ``[B, S, ...]`` per-token tensor (logits, hidden states, predictions) from this
     rank's shard of it: in the batch's own token order, without the padding sharding added, on every rank of the
@@ -122,6 +124,7 @@ def cp_gather_sequence(tensor: torch.Tensor) -> torch.Tensor:
     return tensor[:, : step.sequence_length]
 
 
+@comm.eager_under_compile
 def cp_previous_tokens(hidden_states: torch.Tensor, count: int = 1) -> torch.Tensor:
     """Return the ``count`` tokens that precede this rank's contiguous shard ``[B, S_local, ...]`` in the sequence:
     ``[B, count, ...]`` from the end of the previous shard's rank (a CP rank, or under sequence parallelism a TP x CP

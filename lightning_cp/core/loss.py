@@ -31,6 +31,7 @@ def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, loss_token_coun
     return _normalised(_token_loss_sum(logits, labels), loss_token_count)
 
 
+@comm.eager_under_compile
 def cp_chunked_cross_entropy(
     hidden: torch.Tensor,
     head: Callable[[torch.Tensor], torch.Tensor],
@@ -124,6 +125,7 @@ def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     )
 
 
+@comm.eager_under_compile
 def _normalised(token_loss_sum: torch.Tensor, loss_token_count: int) -> CPLoss:
     """Scale this rank's loss sum for the gradient average over DP x CP; the mean is the replica's."""
     token_count = max(int(loss_token_count), 1)

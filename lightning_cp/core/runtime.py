@@ -270,6 +270,7 @@ class ContextParallelRuntime:
         """Return the hook converting a layer's residual input and side inputs to ``layout``."""
         side_inputs = self.policy.side_inputs
 
+        @comm.eager_under_compile
         def convert_input(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -300,6 +301,7 @@ class ContextParallelRuntime:
     def _post_hook(self, layer_index: int, layout: CPLayout) -> Any:
         """Return the hook restoring the boundary layout after the last layer of a run."""
 
+        @comm.eager_under_compile
         def convert_output(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
             step = self._own_step()
             if step is None:

@@ -16,6 +16,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from typing_extensions import override
 
+from lightning_cp.core import comm
 from lightning_cp.core.functional import cp_attention
 from lightning_cp.core.loss import CPLoss, cp_chunked_cross_entropy
 from lightning_cp.core.step import activated, active_step
@@ -24,6 +25,7 @@ from lightning_cp.lightning.module import CausalLMModule
 ATTENTION_NAME = "lightning_cp"
 
 
+@comm.eager_under_compile
 def lightning_cp_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -114,6 +116,7 @@ def _rope_length_limit(config: Any) -> tuple[str, int] | None:
     return None
 
 
+@comm.eager_under_compile
 def _step_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """Mask function of ``"lightning_cp"``: none under a step (``_no_mask``), Hugging Face's ``sdpa`` mask outside."""
     return _no_mask(*args, **kwargs) if active_step() is not None else sdpa_mask(*args, **kwargs)

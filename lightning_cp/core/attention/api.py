@@ -125,6 +125,7 @@ def attention_work_per_rank(
     return [pairs / ulysses for pairs in work for _ in range(ulysses)]
 
 
+@comm.eager_under_compile
 def zigzag_attention(
     q: Tensor,
     k: Tensor,
@@ -350,6 +351,7 @@ def _block_plan(
     return build_block_plan(geometry.rank_tokens, rank, causal, device, profile=profile)
 
 
+@comm.eager_under_compile
 def context_parallel_attention(
     q: Tensor,
     k: Tensor,

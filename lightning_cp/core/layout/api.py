@@ -253,6 +253,7 @@ def _build_thd_plan_from_host_offsets(
     return plan_on_device(plan, device)
 
 
+@comm.eager_under_compile
 def contiguous_to_zigzag(
     input_: torch.Tensor,
     cp_group: ProcessGroup,
@@ -268,6 +269,7 @@ def contiguous_to_zigzag(
     return _convert(input_, CPLayout.CONTIGUOUS, CPLayout.ZIGZAG, *groups, thd_plan, seq_dim)
 
 
+@comm.eager_under_compile
 def zigzag_to_contiguous(
     input_: torch.Tensor,
     cp_group: ProcessGroup,
