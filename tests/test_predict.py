@@ -42,8 +42,7 @@ def predict(world_size: int, strategy: dict[str, Any], model_kind: str = "gather
     are the default policy's."""
     os.environ["WORLD_SIZE"] = str(world_size)
     torch.manual_seed(0)
-    tiny = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 64}
-    models = {"gathered": lambda: Predictor(HYBRID), "llama": lambda: LlamaLM(**tiny).double(),
+    models = {"gathered": lambda: Predictor(HYBRID), "llama": lambda: LlamaLM(**TINY_LLAMA).double(),
               "hf": lambda: HFCausalLM(tiny_model("llama"))}  # fmt: skip
     model = models[model_kind]()
     built_in = model_kind != "gathered"
@@ -108,17 +107,19 @@ class _Stream(torch.utils.data.IterableDataset):
         return iter(self.items)
 
 
+TINY_LLAMA = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 64}
+
+
 def fsdp_predict(batch_count: int, stream: bool = False) -> list[np.ndarray]:
     """The built-in model's predictions of the first ``batch_count`` batches under ``fsdp`` over two replicas (a
     ``stream``: from an iterable dataset, which Lightning does not split)."""
     os.environ["WORLD_SIZE"] = "2"
     torch.manual_seed(0)
-    tiny = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 64}
     strategy = CPZigzagStrategy(context_parallel_size=1, data_parallel="fsdp")
     trainer = pl.Trainer(devices=2, strategy=strategy, **TRAINER_OPTIONS)
     items = batches()[:batch_count]
     loader = DataLoader(_Stream(items) if stream else items, batch_size=None)
-    return [prediction.numpy() for prediction in trainer.predict(LlamaLM(**tiny).double(), loader)]
+    return [prediction.numpy() for prediction in trainer.predict(LlamaLM(**TINY_LLAMA).double(), loader)]
 
 
 @pytest.mark.timeout(120)
@@ -138,3 +139,36 @@ def test_fsdp_predict_over_replicas_is_one_devices_or_refused_when_they_would_wa
         assert len(predictions) == 4  # a stream has no length to compare: every replica reads it all
         for got, expected in zip(predictions, reference, strict=True):
             np.testing.assert_allclose(got, expected, rtol=0, atol=1e-10)
+
+
+class _TestedLM(LlamaLM):
+    """The built-in model with a test step (its validation step)."""
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+
+def fsdp_evaluate_uneven(stage: str, sanity_steps: int) -> None:
+    """``trainer.validate``, ``test`` or ``fit`` (one training batch per replica, then validation) under ``fsdp`` over
+    two replicas whose own evaluation loaders (no distributed sampler) hold 2 and 1 batches."""
+    os.environ["WORLD_SIZE"] = "2"
+    uneven = DataLoader(batches()[: 2 if int(os.environ["RANK"]) == 0 else 1], batch_size=None)
+    strategy = CPZigzagStrategy(context_parallel_size=1, data_parallel="fsdp")
+    options = {**TRAINER_OPTIONS, "num_sanity_val_steps": sanity_steps, "max_steps": 1}
+    trainer = pl.Trainer(devices=2, strategy=strategy, use_distributed_sampler=False, **options)
+    model = _TestedLM(**TINY_LLAMA).double()
+    if stage == "fit":
+        trainer.fit(model, DataLoader(batches()[:1], batch_size=None), uneven)
+    else:
+        getattr(trainer, stage)(model, uneven)
+
+
+@pytest.mark.parametrize(("stage", "sanity_steps"), [("validate", 0), ("test", 0), ("fit", 0), ("fit", 2)])
+def test_fsdp_evaluation_loaders_that_give_replicas_different_batch_counts_are_refused(stage, sanity_steps):
+    """Validation (also the sanity check and validation inside ``fit``) and test loaders that give the fsdp replicas
+    2 and 1 batches are refused on every rank, as predict ones are (before, the replica with the extra batch waited
+    for the other's weight gathers until the collective timeout, 30 minutes by default)."""
+    assert_same_error_on_every_rank(
+        fsdp_evaluate_uneven, 2, stage, sanity_steps, match="different numbers of batches", init_process_group=False,
+        timeout=100,
+    )  # fmt: skip

@@ -21,7 +21,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -296,22 +296,38 @@ class CPZigzagStrategy(DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Under ``fsdp`` with several replicas, refuse on every rank a predict whose replicas get different numbers
-        of batches: Lightning's predict sampler does not pad, and each forward gathers weights over every replica, so
-        a replica with one batch more would wait for the others for good."""
+        """Under ``fsdp`` with several replicas, refuse on every rank an evaluation or predict loader that gives the
+        replicas different numbers of batches: each forward gathers weights over every replica, so a replica with one
+        batch more would wait for the others for good (the predict sampler does not pad; a loader that splits
+        validation or test data itself may not either). Training is Lightning's as under DDP."""
         mesh, trainer = self.cp_mesh, self.lightning_module.trainer
-        if trainer.state.fn != TrainerFn.PREDICTING or self.data_parallel != "fsdp" or mesh.dims.data_parallel == 1:
+        stage = trainer.state.stage
+        limits = {
+            RunningStage.VALIDATING: ("validation", trainer.limit_val_batches),
+            RunningStage.SANITY_CHECKING: ("validation", trainer.limit_val_batches),
+            RunningStage.TESTING: ("test", trainer.limit_test_batches),
+            RunningStage.PREDICTING: ("predict", trainer.limit_predict_batches),
+        }
+        if stage not in limits or self.data_parallel != "fsdp" or mesh.dims.data_parallel == 1:
             return dataloader
+        name, limit = limits[stage]
         count = len(dataloader) if has_len(dataloader) else -1
-        limit = trainer.limit_predict_batches
-        if count > 0:  # as Lightning applies the limit
+        if count > 0:  # as Lightning applies the limits
             count = min(count, limit) if isinstance(limit, int) else int(count * limit)
+            if stage == RunningStage.SANITY_CHECKING and isinstance(trainer.num_sanity_val_steps, int):  # -1: inf
+                count = min(count, trainer.num_sanity_val_steps)
         if comm.differing_fields([count], mesh.dp_cp_group):
+            replicas = mesh.dims.data_parallel
+            advice = (
+                f"make the number of predict batches a multiple of {replicas} (the predict sampler does not pad), or "
+                "predict with data_parallel='ddp'"
+                if stage == RunningStage.PREDICTING
+                else "give every replica as many batches (Lightning's distributed sampler pads them; with "
+                "use_distributed_sampler=False that is up to your loader)"
+            )
             raise ValueError(
-                f"trainer.predict under data_parallel='fsdp' gives the {mesh.dims.data_parallel} data-parallel "
-                "replicas different numbers of batches (the predict sampler does not pad), and every forward gathers "
-                "the weights over all of them: make the number of predict batches a multiple of "
-                f"{mesh.dims.data_parallel}, or predict with data_parallel='ddp'"
+                f"the {name} loader under data_parallel='fsdp' gives the {replicas} data-parallel replicas different "
+                f"numbers of batches, and every forward gathers the weights over all of them: {advice}"
             )
         return dataloader
 
