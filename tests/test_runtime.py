@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.fabric import Fabric
 
 from lightning_cp import (
     ContextParallelRuntime,
@@ -160,6 +161,46 @@ def test_reentrant_recomputation_uses_its_own_step_after_a_nested_step_or_a_fail
     equal a single-process run (float64, relative 1e-9)."""
     results = run_on_ranks(_reentrant_loop_after, 2, disturbance, timeout=120)
     _assert_matches_one_process(results)
+
+
+def _fabric_loop(data_parallel: int, context_parallel: int) -> dict[str, object]:
+    """Train the hybrid stack with Lightning Fabric's DDP over every rank: each replica takes its own batch, the
+    runtime shards it over the replica's CP ranks, and DDP averages the gradients over DP x CP."""
+    torch.set_num_threads(1)
+    fabric = Fabric(accelerator="cpu", devices=data_parallel * context_parallel, strategy="ddp")
+    fabric.launch()
+    mesh = build_context_parallel_mesh("cpu", ParallelDims(data_parallel, context_parallel, 1))
+    model = TinyTransformer(HYBRID)
+    runtime = ContextParallelRuntime(ContextParallelSetting(mesh), LayerPolicy(**POLICY))
+    runtime.wrap(model)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LEARNING_RATE))
+    batches = packed_batches(data_parallel * STEPS)
+    losses = []
+    for step in range(STEPS):
+        batch = dict(batches[data_parallel * step + mesh.dp_rank])
+        with runtime.step(batch):
+            logits = model(batch["input_ids"], batch["position_ids"])
+            result = cp_cross_entropy(logits, batch["labels"], batch["loss_token_count"])
+        optimizer.zero_grad()
+        fabric.backward(result.loss)
+        optimizer.step()
+        losses.append(result.mean.item())
+    weights = {name: tensor.detach().numpy().copy() for name, tensor in model.module.state_dict().items()}
+    return {"losses": losses, "weights": weights, "dp_rank": mesh.dp_rank}
+
+
+def test_a_fabric_loop_matches_one_process() -> None:
+    """Lightning Fabric (``strategy="ddp"``, no Trainer) at dp 2 x cp 2: each replica's losses and the final weights
+    equal one process averaging the two replicas' batches per step (float64, relative 1e-9)."""
+    results = run_on_ranks(_fabric_loop, 4, 2, 2, init_process_group=False, timeout=120)
+    order = [[2 * step, 2 * step + 1] for step in range(STEPS)]
+    reference_losses, reference_weights = reference_run(HYBRID, packed_batches(2 * STEPS), order)
+    for result in results:
+        for actual, expected in zip(result["losses"], reference_losses, strict=True):
+            assert abs(actual - expected[result["dp_rank"]]) <= 1e-9 * abs(expected[result["dp_rank"]])
+    for name, expected in reference_weights.items():
+        error = (torch.from_numpy(results[0]["weights"][name]) - expected).abs().max().item()
+        assert error <= 1e-9 * expected.abs().max().item(), f"{name}: max error {error}"
 
 
 class _TakesExtra(torch.nn.Module):
