@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -156,6 +157,11 @@ def _logit_changes(config: Any) -> list[str]:
     return changes
 
 
+def _compiled_in_place(module: torch.nn.Module) -> bool:
+    """Whether ``module.compile()`` compiled the module's calls."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
 class HFCausalLM(CausalLMModule):
     """A LightningModule around any ``AutoModelForCausalLM``, trained with the CP-aware loss.
 
@@ -274,11 +280,22 @@ class HFCausalLM(CausalLMModule):
         self._check_attention()
         if not self._head_checked:
             self._check_head_makes_the_logits(input_ids.device)
+            self._warn_if_compiled_past_the_decoder()
             self._head_checked = True
         decoder = self.model.base_model
         hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         head = self.model.get_output_embeddings()
         return cp_chunked_cross_entropy(hidden, head, labels, loss_token_count, self.loss_chunk_tokens)
+
+    def _warn_if_compiled_past_the_decoder(self) -> None:
+        """Warn when the model is compiled in place but its decoder is not: the chunked loss calls the decoder and the
+        output projection directly, so ``model.compile()`` would never run (the model would train eagerly)."""
+        if _compiled_in_place(self.model) and not _compiled_in_place(self.model.base_model):
+            rank_zero_warn(
+                "loss_chunk_tokens calls the decoder (model.base_model) and the output projection directly, which "
+                "model.compile() does not reach, so the model trains eagerly: compile model.base_model instead "
+                "(model.base_model.compile()), which the loss with and without chunks calls"
+            )
 
     def _check_head_makes_the_logits(self, device: torch.device) -> None:
         """Check, on a few tokens on one device (no CP step, evaluation mode, no gradients), that the output

@@ -81,15 +81,21 @@ class CausalLMModule(pl.LightningModule):
         the mean of its batches' losses, as its gradient is (Lightning keeps the last value logged in a step). A batch
         without targets trains nothing and logs nothing (its loss, 0, would read as a perfect fit)."""
         out, count = self._loss(batch)
+        self._log_step_loss(out.mean, count)
+        return out.loss
+
+    @torch.compiler.disable
+    def _log_step_loss(self, mean: torch.Tensor, count: int) -> None:
+        """Log the mean of this optimizer step's losses so far; eager under ``torch.compile`` (a compiled module would
+        otherwise recompile its training step for each new step number and loss count)."""
         step, losses = self.__dict__.get("_losses_of_step", (None, []))
         if step != self.trainer.global_step:
             step, losses = self.trainer.global_step, []
             self.__dict__["_losses_of_step"] = (step, losses)
         if count:
-            losses.append(out.mean.detach())
+            losses.append(mean.detach())
             step_loss = torch.stack(losses).mean()
             self.log("train_loss", step_loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
-        return out.loss
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
