@@ -30,6 +30,9 @@ class Predictor(TinyTransformer):
         return cp_gather_sequence(self(batch["input_ids"], batch["position_ids"]))
 
 
+TINY_LLAMA = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 64}
+
+
 def batches() -> list[dict[str, torch.Tensor]]:
     """Two packed and two dense batches (lengths that need padding at cp=2)."""
     return packed_batches(2) + dense_batches(2, seq_len=21)
@@ -107,9 +110,6 @@ class _Stream(torch.utils.data.IterableDataset):
         return iter(self.items)
 
 
-TINY_LLAMA = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 64}
-
-
 def fsdp_predict(batch_count: int, stream: bool = False) -> list[np.ndarray]:
     """The built-in model's predictions of the first ``batch_count`` batches under ``fsdp`` over two replicas (a
     ``stream``: from an iterable dataset, which Lightning does not split)."""
@@ -148,11 +148,11 @@ class _TestedLM(LlamaLM):
         self.validation_step(batch, batch_idx)
 
 
-def fsdp_evaluate_uneven(stage: str, sanity_steps: int) -> None:
+def fsdp_evaluate_uneven(stage: str, sanity_steps: int, counts: tuple[int, int]) -> None:
     """``trainer.validate``, ``test`` or ``fit`` (one training batch per replica, then validation) under ``fsdp`` over
-    two replicas whose own evaluation loaders (no distributed sampler) hold 2 and 1 batches."""
+    two replicas whose own evaluation loaders (no distributed sampler) hold ``counts`` batches."""
     os.environ["WORLD_SIZE"] = "2"
-    uneven = DataLoader(batches()[: 2 if int(os.environ["RANK"]) == 0 else 1], batch_size=None)
+    uneven = DataLoader(batches()[: counts[int(os.environ["RANK"])]], batch_size=None)
     strategy = CPZigzagStrategy(context_parallel_size=1, data_parallel="fsdp")
     options = {**TRAINER_OPTIONS, "num_sanity_val_steps": sanity_steps, "max_steps": 1}
     trainer = pl.Trainer(devices=2, strategy=strategy, use_distributed_sampler=False, **options)
@@ -163,12 +163,17 @@ def fsdp_evaluate_uneven(stage: str, sanity_steps: int) -> None:
         getattr(trainer, stage)(model, uneven)
 
 
-@pytest.mark.parametrize(("stage", "sanity_steps"), [("validate", 0), ("test", 0), ("fit", 0), ("fit", 2)])
-def test_fsdp_evaluation_loaders_that_give_replicas_different_batch_counts_are_refused(stage, sanity_steps):
-    """Validation (also the sanity check and validation inside ``fit``) and test loaders that give the fsdp replicas
-    2 and 1 batches are refused on every rank, as predict ones are (before, the replica with the extra batch waited
-    for the other's weight gathers until the collective timeout, 30 minutes by default)."""
+@pytest.mark.parametrize(
+    ("stage", "sanity_steps", "counts"),
+    [("validate", 0, (2, 1)), ("test", 0, (2, 1)), ("fit", 0, (2, 1)), ("fit", 2, (2, 1)), ("fit", 2, (3, 2))],
+)
+def test_fsdp_evaluation_loaders_that_give_replicas_different_batch_counts_are_refused(stage, sanity_steps, counts):
+    """Validation (also validation inside ``fit``, after a sanity check or none) and test loaders that give the fsdp
+    replicas different numbers of batches are refused on every rank, as predict ones are (before, the replica with
+    the extra batch waited for the other's weight gathers until the collective timeout, 30 minutes by default). The
+    sanity check's own cap does not hide it: validation in ``fit`` reuses the loader it checked (3 and 2 batches
+    give 2 and 2 sanity steps, then 3 and 2 validation steps)."""
     assert_same_error_on_every_rank(
-        fsdp_evaluate_uneven, 2, stage, sanity_steps, match="different numbers of batches", init_process_group=False,
-        timeout=100,
+        fsdp_evaluate_uneven, 2, stage, sanity_steps, counts, match="different numbers of batches",
+        init_process_group=False, timeout=100,
     )  # fmt: skip

@@ -197,7 +197,10 @@ def test_a_fabric_loop_matches_one_process() -> None:
     reference_losses, reference_weights = reference_run(HYBRID, packed_batches(2 * STEPS), order)
     for result in results:
         for actual, expected in zip(result["losses"], reference_losses, strict=True):
-            assert abs(actual - expected[result["dp_rank"]]) <= 1e-9 * abs(expected[result["dp_rank"]])
+            reference = expected[result["dp_rank"]]
+            assert abs(actual - reference) <= 1e-9 * abs(reference), (
+                f"replica {result['dp_rank']}: {actual} != {reference}"
+            )
     for name, expected in reference_weights.items():
         error = (torch.from_numpy(results[0]["weights"][name]) - expected).abs().max().item()
         assert error <= 1e-9 * expected.abs().max().item(), f"{name}: max error {error}"

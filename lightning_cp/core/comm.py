@@ -18,11 +18,11 @@ _Function = TypeVar("_Function", bound=Callable)
 
 
 def eager_under_compile(function: _Function) -> _Function:
-    """Run ``function`` eagerly under ``torch.compile`` (a graph break around the call).
+    """Keep ``function`` out of compiled graphs: ``torch.compile`` runs it eagerly, a graph break around the call.
 
-    What talks to other ranks keeps host state dynamo cannot trace: process groups, plans cached per batch, staging
-    buffers reused between calls (inductor would save views of them for the backward). Kept out of the graph, the
-    compiled code around it stays exact and does not recompile for each batch's plan.
+    For the library's calls that talk to other ranks or read per-step host state (process groups, the active step,
+    plans cached per batch, staging buffers reused between calls, which inductor would save views of for the
+    backward): outside the graph, the compiled code around them stays exact and does not recompile for each batch.
     """
     return torch.compiler.disable(function, recursive=True)
 

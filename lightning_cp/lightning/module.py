@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from lightning_cp.core import comm
 from lightning_cp.core.functional import cp_gather_sequence
 from lightning_cp.core.loss import CPLoss, cp_cross_entropy
 from lightning_cp.core.runtime import ContextParallelRuntime
@@ -84,9 +85,9 @@ class CausalLMModule(pl.LightningModule):
         self._log_step_loss(out.mean, count)
         return out.loss
 
-    @torch.compiler.disable
+    @comm.eager_under_compile
     def _log_step_loss(self, mean: torch.Tensor, count: int) -> None:
-        """Log the mean of this optimizer step's losses so far; eager under ``torch.compile`` (a compiled module would
+        """Log the mean of this optimizer step's losses so far (per-step host state: a compiled module would
         otherwise recompile its training step for each new step number and loss count)."""
         step, losses = self.__dict__.get("_losses_of_step", (None, []))
         if step != self.trainer.global_step:

@@ -296,10 +296,10 @@ class CPZigzagStrategy(DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Under ``fsdp`` with several replicas, refuse on every rank an evaluation or predict loader that gives the
-        replicas different numbers of batches: each forward gathers weights over every replica, so a replica with one
-        batch more would wait for the others for good (the predict sampler does not pad; a loader that splits
-        validation or test data itself may not either). Training is Lightning's as under DDP."""
+        """Under ``fsdp`` with several replicas, refuse on every rank an evaluation or predict loader with a length
+        that gives the replicas different numbers of batches: each forward gathers weights over every replica, so a
+        replica with one batch more would wait for the others for good (the predict sampler does not pad; a loader
+        that splits validation or test data itself may not either). Training is Lightning's as under DDP."""
         mesh, trainer = self.cp_mesh, self.lightning_module.trainer
         stage = trainer.state.stage
         limits = {
@@ -312,10 +312,8 @@ class CPZigzagStrategy(DDPStrategy):
             return dataloader
         name, limit = limits[stage]
         count = len(dataloader) if has_len(dataloader) else -1
-        if count > 0:  # as Lightning applies the limits
+        if count > 0:  # as Lightning applies the limit (not the sanity check's: validation in fit reuses the loader)
             count = min(count, limit) if isinstance(limit, int) else int(count * limit)
-            if stage == RunningStage.SANITY_CHECKING and isinstance(trainer.num_sanity_val_steps, int):  # -1: inf
-                count = min(count, trainer.num_sanity_val_steps)
         if comm.differing_fields([count], mesh.dp_cp_group):
             replicas = mesh.dims.data_parallel
             advice = (

@@ -195,6 +195,7 @@ def _redistribute_thd_layout(
     return redistribute_tokens(input_, plan, to_zigzag, context.communication_group, seq_dim, own_rank)
 
 
+@comm.eager_under_compile
 def build_thd_cp_layout_plan(
     cu_seqlens: torch.Tensor,
     total_tokens: int,
@@ -362,6 +363,7 @@ class ContextParallelLayoutManager:
         args = (hidden_states, self.cp_group, self.sequence_parallel, self.tp_group, self.tp_cp_group, thd_plan)
         return convert(*args) if self.seq_dim == 0 else convert(*args, seq_dim=self.seq_dim)
 
+    @comm.eager_under_compile
     def prepare_layer_input(
         self,
         layer_index: int,
@@ -376,6 +378,7 @@ class ContextParallelLayoutManager:
             return hidden_states
         return self._convert_cp_layout(hidden_states, source, target, thd_plan)
 
+    @comm.eager_under_compile
     def finalize_layer_output(
         self,
         layer_index: int,
@@ -390,6 +393,7 @@ class ContextParallelLayoutManager:
             return hidden_states
         return self._convert_cp_layout(hidden_states, source, self.boundary_layout, thd_plan)
 
+    @comm.eager_under_compile
     def build_packed_zigzag_layout(
         self,
         packed_seq_params: PackedSeqParams,
@@ -435,6 +439,7 @@ class ContextParallelLayoutManager:
         )
         return plan, zigzag_params
 
+    @comm.eager_under_compile
     def build_conversion_state(
         self,
         packed_seq_params: PackedSeqParams | None,
@@ -451,6 +456,7 @@ class ContextParallelLayoutManager:
         plan, zigzag_params = self.build_packed_zigzag_layout(packed_seq_params)
         return ContextParallelLayoutState(self, plan, packed_seq_params, zigzag_params)
 
+    @comm.eager_under_compile
     def build_forward_state(
         self,
         packed_seq_params: PackedSeqParams | None,
@@ -478,6 +484,7 @@ class ContextParallelLayoutState:
             return self.zigzag_packed_seq_params
         return self.contiguous_packed_seq_params
 
+    @comm.eager_under_compile
     def prepare_layer(
         self,
         layer_index: int,
@@ -487,6 +494,7 @@ class ContextParallelLayoutState:
         converted = self.manager.prepare_layer_input(layer_index, hidden_states, self.thd_plan)
         return converted, self.packed_seq_params_for(self.manager.layer_layouts[layer_index])
 
+    @comm.eager_under_compile
     def finalize_layer(
         self,
         layer_index: int,
@@ -495,6 +503,7 @@ class ContextParallelLayoutState:
         """Finalize a layer's output layout."""
         return self.manager.finalize_layer_output(layer_index, hidden_states, self.thd_plan)
 
+    @comm.eager_under_compile
     def convert(
         self,
         tensor: torch.Tensor,
