@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from peft import LoraConfig, PeftModel, get_peft_model
 from torch.utils.data import DataLoader
 
 from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy
@@ -43,12 +44,17 @@ FAMILIES = {
 }
 
 
-def tiny_model(family: str, attention: str = "sdpa") -> transformers.PreTrainedModel:
-    """A float64 model of ``family`` with seeded weights (the same weights for every call)."""
+def tiny_model(family: str, attention: str = "sdpa", lora: bool = False) -> transformers.PreTrainedModel:
+    """A float64 model of ``family`` with seeded weights (the same weights for every call); ``lora``: wrapped by PEFT
+    with LoRA adapters on q and v (only they train)."""
     torch.manual_seed(0)
     config = FAMILIES[family]()
     config._attn_implementation = attention
-    return transformers.AutoModelForCausalLM.from_config(config).double()
+    model = transformers.AutoModelForCausalLM.from_config(config).double()
+    if lora:
+        adapters = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        model = get_peft_model(model, adapters).double()
+    return model
 
 
 class SGDCausalLM(HFCausalLM):
@@ -85,9 +91,11 @@ def make_batches(kind: str, count: int = STEPS) -> tuple[list[dict[str, torch.Te
     return batches, documents
 
 
-def reference_losses(family: str, documents: list[list[list[int]]]) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_losses(
+    family: str, documents: list[list[list[int]]], lora: bool = False
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The unmodified model, HF's own attention, each document on its own; SGD on the batch's mean token loss."""
-    model = tiny_model(family)
+    model = tiny_model(family, lora=lora)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     losses = []
     for docs in documents:
@@ -125,13 +133,18 @@ def _fit(
     checkpointing: bool,
     loss_chunk_tokens: int = 0,
     compiled: str = "",
+    lora: bool = False,
+    adapter_folder: str = "",
 ) -> dict[str, Any]:
     """Rank body: train ``STEPS`` steps of the unmodified model under ``cp_zigzag``; return losses and weights.
     ``compiled``: what is compiled in place (inductor): the ``model``, its ``decoder`` (``base_model``) or the
-    LightningModule (``module``); the warnings of the fit are returned too."""
+    LightningModule (``module``); the warnings of the fit are returned too. ``lora``: the model with PEFT's LoRA, whose
+    adapters global rank 0 saves to ``adapter_folder`` from the gathered state (PEFT cannot read sharded weights)."""
     os.environ["WORLD_SIZE"] = str(world)
     batches, _ = make_batches(kind)
-    module = SGDCausalLM(tiny_model(family), gradient_checkpointing=checkpointing, loss_chunk_tokens=loss_chunk_tokens)
+    module = SGDCausalLM(
+        tiny_model(family, lora=lora), gradient_checkpointing=checkpointing, loss_chunk_tokens=loss_chunk_tokens
+    )
     if compiled:
         {"model": module.model, "decoder": module.model.base_model, "module": module}[compiled].compile()
     head_tokens: list[int] = []  # tokens per call of the output projection (the probe's included)
@@ -151,8 +164,10 @@ def _fit(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, DataLoader(batches, batch_size=None))
-    weights = trainer.strategy.lightning_module_state_dict()
-    weights = {k: v.numpy().copy() for k, v in weights.items() if "model." in k}
+    state = trainer.strategy.lightning_module_state_dict()  # the whole state on global rank 0, empty elsewhere
+    if adapter_folder and state:
+        module.model.save_pretrained(adapter_folder, state_dict={k.removeprefix("model."): v for k, v in state.items()})
+    weights = {k: v.numpy().copy() for k, v in state.items() if "model." in k}
     return {
         "losses": recorder.losses,
         "weights": weights,
@@ -162,6 +177,7 @@ def _fit(
     }
 
 
+FSDP = {"data_parallel": "fsdp"}
 RUNS = [
     ("llama", "packed", 2, {}, False),
     ("llama", "flattening", 2, {"attention_mode": "ring"}, True),
@@ -226,6 +242,27 @@ def test_a_compiled_model_matches_one_device(kind, strategy, loss_chunk_tokens, 
         assert graphs[0] > 0 and graphs[2:] == graphs[1:-1], graphs
         warned = any("model.base_model.compile()" in message for message in result["warnings"])
         assert warned == (bypassed and result is results[0]), result["warnings"]  # Lightning warns on rank 0
+
+
+@pytest.mark.parametrize(("strategy", "checkpointing", "loss_chunk_tokens"), [({}, False, 4), (FSDP, True, 0)])
+def test_a_lora_model_matches_one_device(strategy, checkpointing, loss_chunk_tokens, tmp_path):
+    """A PEFT LoRA model (adapters on q and v, the rest frozen) trains at cp=2 as on one device (float64, relative
+    1e-9; the frozen weights are compared too): under DDP with the chunked loss, which finds the decoder inside the
+    PEFT wrapper (before, it called the adapter wrapper, which makes logits, and failed with an AttributeError), and
+    under FSDP, which shards frozen and trainable weights of one block together, with gradient checkpointing. The
+    adapters saved from the gathered state load back into the base model as trained."""
+    results = run_on_ranks(
+        _fit, 2, "llama", "packed", 2, strategy, checkpointing, loss_chunk_tokens, lora=True,
+        adapter_folder=str(tmp_path), init_process_group=False,
+    )  # fmt: skip
+    expected_losses, expected_weights = reference_losses("llama", make_batches("packed")[1], lora=True)
+    _assert_matches(results, expected_losses, expected_weights, loss_chunk_tokens)
+    loaded = PeftModel.from_pretrained(tiny_model("llama"), tmp_path).state_dict()
+    adapters = [name for name in expected_weights if "lora_" in name]
+    assert adapters, sorted(expected_weights)
+    for name in adapters:
+        error = (loaded[name] - expected_weights[name]).abs().max().item()
+        assert error <= 1e-9 * expected_weights[name].abs().max().item(), f"{name}: {error}"
 
 
 def _assert_matches(

@@ -282,27 +282,33 @@ class HFCausalLM(CausalLMModule):
             self._check_head_makes_the_logits(input_ids.device)
             self._warn_if_compiled_past_the_decoder()
             self._head_checked = True
-        decoder = self.model.base_model
-        hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
-        head = self.model.get_output_embeddings()
+        causal_lm = self._causal_lm()
+        hidden = causal_lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        head = causal_lm.get_output_embeddings()
         return cp_chunked_cross_entropy(hidden, head, labels, loss_token_count, self.loss_chunk_tokens)
+
+    def _causal_lm(self) -> PreTrainedModel:
+        """The causal LM whose decoder and output projection the chunked loss calls: the model, or the one a PEFT
+        model wraps (a PEFT model's ``base_model`` is its adapter wrapper, whose forward makes the logits)."""
+        get_base_model = getattr(self.model, "get_base_model", None)
+        return get_base_model() if callable(get_base_model) else self.model
 
     def _warn_if_compiled_past_the_decoder(self) -> None:
         """Warn when the model is compiled in place but its decoder is not: the chunked loss calls the decoder and the
         output projection directly, so ``model.compile()`` would never run (the model would train eagerly)."""
-        if _compiled_in_place(self.model) and not _compiled_in_place(self.model.base_model):
+        if _compiled_in_place(self.model) and not _compiled_in_place(self._causal_lm().base_model):
             rank_zero_warn(
-                "loss_chunk_tokens calls the decoder (model.base_model) and the output projection directly, which "
-                "model.compile() does not reach, so the model trains eagerly: compile model.base_model instead "
-                "(model.base_model.compile()), which the loss with and without chunks calls"
+                "loss_chunk_tokens calls the decoder and the output projection directly, past model.compile(), so "
+                "the model trains eagerly: compile the decoder instead (model.base_model.compile(); for a PEFT model "
+                "model.get_base_model().base_model.compile()), which the loss with and without chunks calls"
             )
 
     def _check_head_makes_the_logits(self, device: torch.device) -> None:
         """Check, on a few tokens on one device (no CP step, evaluation mode, no gradients), that the output
         projection of the decoder's hidden states is what the model's forward returns as logits; raise if not."""
-        model = self.model
-        name = type(model).__name__
-        if model.base_model is model or model.get_output_embeddings() is None:
+        model, causal_lm = self.model, self._causal_lm()
+        name = type(causal_lm).__name__
+        if causal_lm.base_model is causal_lm or causal_lm.get_output_embeddings() is None:
             raise ValueError(f"loss_chunk_tokens needs a decoder and an output projection, which {name} does not name")
         changes = _logit_changes(model.config)
         if changes:
@@ -317,8 +323,9 @@ class HFCausalLM(CausalLMModule):
         try:
             with torch.no_grad(), activated(None):
                 logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
-                hidden = model.base_model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
-                projected = model.get_output_embeddings()(hidden).to(logits.dtype)  # a forward may upcast them
+                decoder = causal_lm.base_model
+                hidden = decoder(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+                projected = causal_lm.get_output_embeddings()(hidden).to(logits.dtype)  # a forward may upcast them
         finally:
             for module, training in modes.items():
                 module.training = training
