@@ -114,15 +114,16 @@ def reference_losses(
 
 
 class _Recorder(pl.Callback):
-    """Each step's logged loss and the number of graphs dynamo has compiled so far."""
+    """Each step's logged loss and the number of graphs dynamo has compiled since the recorder was made."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.graphs: list[int] = []
+        self._graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # a forked rank inherits them
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
-        self.graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        self.graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - self._graphs_before)
 
 
 def _fit(

@@ -36,7 +36,7 @@ class _InPlaceResidual(TinyTransformer):
 def _plain_loop(cp: int, checkpoint: str, compiled: str = "") -> dict[str, object]:
     """Train a few SGD steps by hand; the loss's backward runs after the step block has deactivated the step.
     ``compiled``: ``model`` or ``blocks`` compiled in place by ``torch.compile`` (inductor) after wrapping; the
-    number of graphs dynamo has compiled is recorded after each step."""
+    number of graphs dynamo has compiled in this loop is recorded after each step."""
     torch.set_num_threads(1)
     mesh = build_context_parallel_mesh("cpu", ParallelDims(1, cp, 1))
     model_type = _InPlaceResidual if checkpoint == "in-place" else TinyTransformer
@@ -50,6 +50,7 @@ def _plain_loop(cp: int, checkpoint: str, compiled: str = "") -> dict[str, objec
         ContextParallelSetting(mesh), LayerPolicy(**{k: tuple(v) for k, v in POLICY.items()})
     )
     runtime.wrap(model)
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # a forked rank inherits its parent's
     for module in {"model": [model], "blocks": model.blocks, "": []}[compiled]:
         module.compile()
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
@@ -65,7 +66,7 @@ def _plain_loop(cp: int, checkpoint: str, compiled: str = "") -> dict[str, objec
             parameter.grad /= cp
         optimizer.step()
         losses.append(result.mean.item())
-        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before)
     runtime.unwrap()
     weights = {name: tensor.detach().numpy().copy() for name, tensor in model.state_dict().items()}
     return {"losses": losses, "weights": weights, "left_active": left_active, "graphs": graphs}
