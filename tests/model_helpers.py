@@ -1,4 +1,5 @@
-"""A small RoPE transformer (and a hybrid with a recurrent block) for the strategy tests, plus an independent reference.
+"""A small RoPE transformer (and hybrids with token-shift or linear recurrent blocks) for the strategy tests, plus an
+independent reference.
 
 The reference trains the same model in one process without Lightning or ``lightning_cp``'s batch preparation:
 labels shifted per document, positions and attention masks are computed here from the raw batches.
@@ -19,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from lightning_cp import cp_attention, cp_cross_entropy, cp_previous_tokens
+from lightning_cp import cp_attention, cp_cross_entropy, cp_previous_state, cp_previous_tokens
 from lightning_cp.core import comm
 from lightning_cp.core.step import active_step
 
@@ -40,6 +41,7 @@ TRAINER_OPTIONS = {
 }
 ATTENTION = ("attention", "attention")
 HYBRID = ("attention", "attention", "recurrent", "recurrent", "attention")
+LINEAR_HYBRID = ("attention", "attention", "linear", "linear", "attention")
 POLICY = {"zigzag_layers": ["*AttentionBlock"], "contiguous_layers": ["blocks.2", "blocks.3"]}
 
 
@@ -97,8 +99,38 @@ class RecurrentBlock(nn.Module):
         return h + torch.tanh(self.mix(previous)) * same_document
 
 
+def linear_scan(inputs: torch.Tensor, decays: torch.Tensor) -> torch.Tensor:
+    """States ``h_t = a_t * h_{t-1} + x_t`` along dim 1 from a zero state, one step at a time."""
+    state, states = torch.zeros_like(inputs[:, 0]), []
+    for step in range(inputs.shape[1]):
+        state = decays[:, step] * state + inputs[:, step]
+        states.append(state)
+    return torch.stack(states, 1)
+
+
+class LinearRecurrentBlock(nn.Module):
+    """A gated diagonal linear recurrence within documents (the decay is zero at a document's start): each shard
+    scans from zero and takes the state entering it from ``cp_previous_state``, as a Mamba-style block would."""
+
+    def __init__(self, owner: TinyTransformer) -> None:
+        super().__init__()
+        self.owner = [owner]
+        self.gate = nn.Linear(HIDDEN, HIDDEN)
+        self.value = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, h: torch.Tensor, *, position_ids: torch.Tensor) -> torch.Tensor:
+        """Return ``h + tanh(states)`` of the recurrence over ``value(h)`` with decays ``sigmoid(gate(h))``."""
+        self.owner[0].record_layout(self, position_ids)
+        decays = torch.sigmoid(self.gate(h)) * (position_ids > 0).unsqueeze(-1).to(h.dtype)
+        from_zero = linear_scan(self.value(h), decays)
+        cumulative = torch.cumprod(decays, 1)
+        entering = cp_previous_state(from_zero[:, -1], cumulative[:, -1])
+        return h + torch.tanh(from_zero + cumulative * entering.unsqueeze(1))
+
+
 class TinyTransformer(pl.LightningModule):
-    """Embedding, blocks by ``kinds`` (``"attention"``/``"recurrent"``), a head; SGD on ``cp_cross_entropy``.
+    """Embedding, blocks by ``kinds`` (``"attention"``, ``"recurrent"``, ``"linear"``), a head; SGD on
+    ``cp_cross_entropy``.
 
     ``checkpoint_blocks`` recomputes whole blocks in backward, ``checkpoint_attention`` only the attention inside each
     attention block (``reentrant``: the reentrant variant for blocks); plain ``torch.utils.checkpoint``, no CP code.
@@ -115,7 +147,7 @@ class TinyTransformer(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Embedding(VOCAB, HIDDEN)
-        block_types = {"attention": AttentionBlock, "recurrent": RecurrentBlock}
+        block_types = {"attention": AttentionBlock, "recurrent": RecurrentBlock, "linear": LinearRecurrentBlock}
         self.blocks = nn.ModuleList(block_types[kind](self) for kind in kinds)
         self.head = nn.Linear(HIDDEN, VOCAB)
         self.double()

@@ -12,12 +12,22 @@ from lightning_cp import (
     ContextParallelSetting,
     LayerPolicy,
     cp_cross_entropy,
+    cp_previous_state,
     cp_previous_tokens,
 )
 from lightning_cp.core.mesh import ParallelDims, build_context_parallel_mesh
 from lightning_cp.core.step import active_step
 from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
-from tests.model_helpers import HYBRID, LEARNING_RATE, POLICY, TinyTransformer, packed_batches, reference_run
+from tests.model_helpers import (
+    HYBRID,
+    LEARNING_RATE,
+    LINEAR_HYBRID,
+    POLICY,
+    TinyTransformer,
+    linear_scan,
+    packed_batches,
+    reference_run,
+)
 
 STEPS = 3
 
@@ -33,15 +43,15 @@ class _InPlaceResidual(TinyTransformer):
         return self.head(h)
 
 
-def _plain_loop(cp: int, checkpoint: str, compiled: str = "") -> dict[str, object]:
-    """Train a few SGD steps by hand; the loss's backward runs after the step block has deactivated the step.
-    ``compiled``: ``model`` or ``blocks`` compiled in place by ``torch.compile`` (inductor) after wrapping; the
-    number of graphs dynamo has compiled in this loop is recorded after each step."""
+def _plain_loop(cp: int, checkpoint: str, compiled: str = "", kinds: tuple[str, ...] = HYBRID) -> dict[str, object]:
+    """Train the stack of ``kinds`` a few SGD steps by hand; the loss's backward runs after the step block has
+    deactivated the step. ``compiled``: ``model`` or ``blocks`` compiled in place by ``torch.compile`` (inductor)
+    after wrapping; the number of graphs dynamo has compiled in this loop is recorded after each step."""
     torch.set_num_threads(1)
     mesh = build_context_parallel_mesh("cpu", ParallelDims(1, cp, 1))
     model_type = _InPlaceResidual if checkpoint == "in-place" else TinyTransformer
     model = model_type(
-        HYBRID,
+        kinds,
         checkpoint_blocks=checkpoint.startswith("blocks"),
         checkpoint_attention=checkpoint == "attention",
         reentrant=checkpoint == "blocks-reentrant",
@@ -72,11 +82,11 @@ def _plain_loop(cp: int, checkpoint: str, compiled: str = "") -> dict[str, objec
     return {"losses": losses, "weights": weights, "left_active": left_active, "graphs": graphs}
 
 
-def _assert_matches_one_process(results: list[dict[str, object]]) -> None:
+def _assert_matches_one_process(results: list[dict[str, object]], kinds: tuple[str, ...] = HYBRID) -> None:
     """Every rank's losses and final weights equal a single-process run (float64, relative 1e-9), and no step was
     left active after a backward."""
     reference_losses, reference_weights = reference_run(
-        HYBRID, packed_batches(STEPS), [[index] for index in range(STEPS)]
+        kinds, packed_batches(STEPS), [[index] for index in range(STEPS)]
     )
     for result in results:
         assert result["left_active"] == [False] * STEPS
@@ -344,6 +354,77 @@ def test_the_tokens_before_a_contiguous_shard_come_from_the_previous_rank() -> N
     assert [before for before, _ in sequence_parallel] == [[0.0, 0.0], [2.0, 3.0], [6.0, 7.0], [10.0, 11.0]]
     assert_same_error_on_every_rank(_previous_tokens, 2, 1, "zigzag", match="needs the contiguous layout")
     assert_same_error_on_every_rank(_previous_tokens, 3, 5, "contiguous", match="5 tokens asked, but a rank holds")
+
+
+def _recurrence_across_shards(
+    tensor_parallel: int = 1, rows: int = 1, decay_width: int = 3, boundary: str = "contiguous", bad_decay: bool = False
+) -> list[float]:
+    """A diagonal linear recurrence over dense rows of 24 tokens (a document starting mid-shard): each contiguous
+    shard scans from zero and adds the cumulative decay times ``cp_previous_state``. Returns the largest differences
+    to one process's scan of the whole rows: states, and gradients of inputs and decays (``decay_width`` 1: one decay
+    per row and token, broadcast over the state's 3 channels; ``bad_decay``: two of the three channels' decays)."""
+    dims = ParallelDims(1, dist.get_world_size() // tensor_parallel, tensor_parallel)
+    mesh = build_context_parallel_mesh("cpu", dims)
+    setting = ContextParallelSetting(mesh, boundary_layout=boundary, sequence_parallel=tensor_parallel > 1)
+    runtime = ContextParallelRuntime(setting)
+    length, generator = 24, torch.Generator().manual_seed(5)
+    inputs = torch.randn(rows, length, 3, generator=generator, dtype=torch.float64)
+    decays = 0.5 + 0.5 * torch.rand(rows, length, decay_width, generator=generator, dtype=torch.float64)
+    decays[:, 10] = 0  # a document starts at token 10
+    weights = torch.randn(rows, length, 3, generator=generator, dtype=torch.float64)
+    whole_inputs, whole_decays = inputs.clone().requires_grad_(), decays.clone().requires_grad_()
+    expected = linear_scan(whole_inputs, whole_decays)
+    (expected * weights).sum().backward()
+    batch = {"input_ids": torch.arange(length).repeat(rows, 1)}
+    with runtime.step(batch):
+        positions = batch["input_ids"][0]  # the token positions of this rank's shard
+        shard_inputs = inputs[:, positions].clone().requires_grad_()
+        shard_decays = decays[:, positions].clone().requires_grad_()
+        from_zero = linear_scan(shard_inputs, shard_decays)
+        cumulative = torch.cumprod(shard_decays, 1)
+        shard_decay = cumulative[:, -1, :2] if bad_decay else cumulative[:, -1]
+        states = from_zero + cumulative * cp_previous_state(from_zero[:, -1], shard_decay).unsqueeze(1)
+        (states * weights[:, positions]).sum().backward()
+    pairs = [
+        (states, expected[:, positions]),
+        (shard_inputs.grad, whole_inputs.grad[:, positions]),
+        (shard_decays.grad, whole_decays.grad[:, positions]),
+    ]
+    return [(actual - reference).abs().max().item() for actual, reference in pairs]
+
+
+@pytest.mark.parametrize(
+    ("ranks", "tensor_parallel", "rows", "decay_width"),
+    [(3, 1, 1, 3), (3, 1, 2, 1), (4, 2, 1, 3)],
+    ids=["cp3", "cp3-two-rows-scalar-decay", "cp2xtp2-sequence-parallel"],
+)
+def test_a_recurrence_carried_across_shards_matches_one_process(
+    ranks: int, tensor_parallel: int, rows: int, decay_width: int
+) -> None:
+    """The state entering each contiguous shard, composed from every earlier shard's final state and decay, makes
+    the shards' states and the gradients of inputs and decays equal one process's scan (float64, 1e-12); under
+    sequence parallelism the shards follow TP x CP rank order."""
+    for errors in run_on_ranks(_recurrence_across_shards, ranks, tensor_parallel, rows, decay_width):
+        assert max(errors) <= 1e-12, errors
+
+
+def test_a_carried_state_needs_contiguous_shards_and_a_decay_that_broadcasts() -> None:
+    """In a zigzag block, or with a decay that does not broadcast to the state: the same error on every rank."""
+    assert_same_error_on_every_rank(
+        _recurrence_across_shards, 2, 1, 1, 3, "zigzag", match="cp_previous_state needs the contiguous layout"
+    )
+    assert_same_error_on_every_rank(
+        _recurrence_across_shards, 2, 1, 2, 3, "contiguous", True,
+        match="the decay's shape (2, 2) does not broadcast to the state's shape (2, 3)",
+    )  # fmt: skip
+
+
+def test_a_hybrid_stack_with_linear_recurrences_trains_as_one_process() -> None:
+    """Attention blocks on zigzag shards and gated linear recurrences on contiguous ones, packed documents of 1 to
+    13 tokens crossing shard boundaries, at cp=3 and with whole blocks recomputed at cp=2: losses and weights equal
+    one process's (float64, relative 1e-9)."""
+    _assert_matches_one_process(run_on_ranks(_plain_loop, 3, 3, "none", "", LINEAR_HYBRID), LINEAR_HYBRID)
+    _assert_matches_one_process(run_on_ranks(_plain_loop, 2, 2, "blocks", "", LINEAR_HYBRID), LINEAR_HYBRID)
 
 
 class _TokenInputBlock(torch.nn.Module):

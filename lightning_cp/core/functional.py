@@ -1,10 +1,12 @@
-"""What model code calls: ``cp_attention``, exact attention under the active step (or on one device without one), and
-``cp_gather_sequence``, a per-token output of the whole replica batch on every rank."""
+"""What model code calls: ``cp_attention``, exact attention under the active step (or on one device without one);
+``cp_gather_sequence``, a per-token output of the whole replica batch on every rank; ``cp_previous_tokens`` and
+``cp_previous_state``, what a convolution or a recurrence on contiguous shards needs from the shards before."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed import ProcessGroup
 
 from lightning_cp.core import comm
 from lightning_cp.core.attention.api import (
@@ -124,26 +126,34 @@ def cp_gather_sequence(tensor: torch.Tensor) -> torch.Tensor:
     return tensor[:, : step.sequence_length]
 
 
+def _contiguous_shard_group(name: str) -> ProcessGroup | None:
+    """The group whose ranks hold the batch's contiguous shards in sequence order (CP ranks, or TP x CP ones under
+    sequence parallelism), for ``name`` called in a block on contiguous shards; None on one shard or without a step."""
+    step = active_step()
+    group = None if step is None else step.loss_group
+    if group is None or comm.group_size(group) == 1:
+        return None
+    step.require_stream_at_boundary(f"{name} outside the wrapped layers")
+    if step.current_layout != CPLayout.CONTIGUOUS:
+        raise ValueError(
+            f"{name} needs the contiguous layout, but this block runs in {step.current_layout.value}: "
+            "name it in contiguous_layers"
+        )
+    return group
+
+
 @comm.eager_under_compile
 def cp_previous_tokens(hidden_states: torch.Tensor, count: int = 1) -> torch.Tensor:
     """Return the ``count`` tokens that precede this rank's contiguous shard ``[B, S_local, ...]`` in the sequence:
     ``[B, count, ...]`` from the end of the previous shard's rank (a CP rank, or under sequence parallelism a TP x CP
-    one; zeros on the first rank, on one shard or without an active step), differentiably. What a token shift, a
-    causal convolution (``count`` = kernel - 1) or a recurrence needs from across the shard boundary; call it in a
-    block that runs on contiguous shards, and mask what lies before a document's start with ``position_ids``, as on
-    one device."""
+    one; zeros on the first rank, on one shard or without an active step), differentiably. What a token shift or a
+    causal convolution (``count`` = kernel - 1) needs from across the shard boundary; call it in a block that runs on
+    contiguous shards, and mask what lies before a document's start with ``position_ids``, as on one device."""
     rows, local = hidden_states.shape[0], hidden_states.shape[1]
     shape = (rows, count, *hidden_states.shape[2:])
-    step = active_step()
-    group = None if step is None else step.loss_group  # the ranks holding the contiguous shards, TP ones under SP
-    if group is None or comm.group_size(group) == 1:
+    group = _contiguous_shard_group("cp_previous_tokens")
+    if group is None:
         return hidden_states.new_zeros(shape)
-    step.require_stream_at_boundary("cp_previous_tokens outside the wrapped layers")
-    if step.current_layout != CPLayout.CONTIGUOUS:
-        raise ValueError(
-            f"cp_previous_tokens needs the contiguous layout, but this block runs in {step.current_layout.value}: "
-            "name it in contiguous_layers"
-        )
     if count > local:
         raise ValueError(f"cp_previous_tokens: {count} tokens asked, but a rank holds only {local} of the sequence")
     rank, size = comm.group_rank(group), comm.group_size(group)
@@ -154,3 +164,34 @@ def cp_previous_tokens(hidden_states: torch.Tensor, count: int = 1) -> torch.Ten
     if rank == 0:  # it sends too (to rank 1), and so takes part in the backward's all-to-all as well
         received = received.masked_fill(torch.ones((), dtype=torch.bool, device=received.device), 0)
     return received
+
+
+@comm.eager_under_compile
+def cp_previous_state(final_state: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """Return the state with which a linear recurrence ``h_t = a_t * h_{t-1} + x_t`` enters this rank's contiguous
+    shard, from each shard's own run started at zero: ``final_state`` is this shard's last state so computed and
+    ``decay`` the product of its ``a_t`` (broadcastable to the state). The state entering rank ``r`` is
+    ``S_{r-1} + D_{r-1} * (the state entering r - 1)``: zeros on the first rank, on one shard or without an active
+    step; differentiable in both arguments. Adding ``cumprod(a)_t * state`` to the shard's states from zero (or
+    running the shard's scan again from it) gives one device's states; ``a_t = 0`` at a document's start keeps state
+    from crossing documents. One all-gather of state and decay over the ranks holding contiguous shards."""
+    try:
+        broadcast = torch.broadcast_shapes(decay.shape, final_state.shape)
+    except RuntimeError:
+        broadcast = None
+    if broadcast != final_state.shape:
+        raise ValueError(
+            f"cp_previous_state: the decay's shape {tuple(decay.shape)} does not broadcast to the state's shape "
+            f"{tuple(final_state.shape)}"
+        )
+    group = _contiguous_shard_group("cp_previous_state")
+    if group is None:
+        return torch.zeros_like(final_state)
+    dtype = torch.promote_types(final_state.dtype, decay.dtype)
+    pair = torch.stack([final_state.to(dtype), decay.to(dtype).expand_as(final_state)])
+    shards = comm.all_gather_stack(pair, group)  # [ranks, 2, ...]: every shard's final state and decay
+    # zeros that depend on the gather, so that every rank (the first included) takes part in its backward
+    entering = shards[0, 0].masked_fill(torch.ones((), dtype=torch.bool, device=pair.device), 0)
+    for state, shard_decay in shards[: comm.group_rank(group)]:
+        entering = state + shard_decay * entering
+    return entering.to(final_state.dtype)
