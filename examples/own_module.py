@@ -1,6 +1,7 @@
 """Context parallelism in your own LightningModule: ``strategy="cp_zigzag"``, ``cp_attention``, ``cp_cross_entropy``.
 
     python examples/own_module.py            # 2 CPU processes, cp=2, gloo
+    python examples/own_module.py --hybrid   # attention blocks and gated linear recurrences in turn
 
 What changes against a plain single-device module:
 - attention calls ``cp_attention(q, k, v)`` on batch-first ``[B, S_local, H, D]`` tensors;
@@ -8,6 +9,9 @@ What changes against a plain single-device module:
 - blocks whose class name matches the layout policy (here ``*TransformerBlock``) take the residual stream as their
   first argument; per-token side inputs they need (``position_ids`` for RoPE) go in as keyword arguments, so the
   callback converts them along.
+- a recurrent block (``RecurrentBlock``, run on contiguous shards by the default policy) takes what precedes its
+  shard from the ranks before: the last tokens for its convolution (``cp_previous_tokens``), the state entering the
+  shard for its scan (``cp_previous_state``).
 The strategy's callback hands ``training_step`` this rank's shard: ``input_ids``, ``labels`` (shifted per document),
 ``position_ids`` and ``loss_token_count``. The dataloader yields whole packed batches: ``input_ids`` ``[1, T]`` and
 int32 ``cu_seqlens`` (here from ``PackedTextDataModule``; any loader yielding that dict works).
@@ -19,9 +23,11 @@ import argparse
 
 import lightning.pytorch as pl
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from lightning_cp import cp_attention, cp_cross_entropy  # importing lightning_cp registers "cp_zigzag"
+# importing lightning_cp registers "cp_zigzag"
+from lightning_cp import cp_attention, cp_cross_entropy, cp_previous_state, cp_previous_tokens
 from lightning_cp.train.data import PackedTextDataModule
 
 
@@ -43,21 +49,90 @@ class TransformerBlock(nn.Module):
         return h + self.mlp(self.norm2(h))
 
 
-class TinyLM(pl.LightningModule):
-    """A byte-level language model with learned absolute positions."""
+def gated_scan(values: torch.Tensor, log_decays: torch.Tensor, starts: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """States ``h_t = a_t * h_{t-1} + x_t`` along dim 1 of ``[B, S, D]`` from a zero state, with ``a_t`` =
+    ``exp(log_decays_t)``, or 0 where ``starts`` marks a document's first token. Each chunk of ``chunk`` tokens at
+    once (token ``s`` reaches ``t`` with the decays between them, unless a document starts in between), the last
+    state carried from chunk to chunk."""
+    outputs, carried = [], values.new_zeros(values[:, 0].shape)
+    for first in range(0, values.shape[1], chunk):
+        x, log_a = values[:, first : first + chunk], log_decays[:, first : first + chunk]
+        document = torch.cumsum(starts[:, first : first + chunk].long(), 1)  # documents begun in the chunk so far
+        decayed = torch.cumsum(log_a, 1)
+        length = x.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+        reaches = (document[:, :, None] == document[:, None, :]) & causal  # [B, t, s]
+        gaps = torch.where(reaches[..., None], decayed[:, :, None] - decayed[:, None, :], -torch.inf)
+        states = torch.einsum("btsd,bsd->btd", gaps.exp(), x)
+        states = states + torch.where(document[..., None] == 0, decayed.exp(), 0) * carried[:, None]
+        outputs.append(states)
+        carried = states[:, -1]
+    return torch.cat(outputs, 1)
 
-    def __init__(self, dim: int = 64, heads: int = 4, layers: int = 2, max_len: int = 4096) -> None:
+
+class RecurrentBlock(nn.Module):
+    """Pre-norm gated linear recurrence (a diagonal state-space mixer) and MLP, run on contiguous shards.
+
+    A short causal convolution takes the tokens before this rank's shard from ``cp_previous_tokens``, the scan runs
+    from a zero state and adds the state entering the shard (``cp_previous_state``) times its cumulative decay; both
+    restart at each document's start (``position_ids == 0``), so the block computes what it computes on one device.
+    """
+
+    def __init__(self, dim: int, kernel: int = 4) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.mix = nn.Linear(dim, 3 * dim)  # values, decay logits, output gate
+        self.taps = nn.Parameter(torch.randn(kernel, dim) / kernel)  # depthwise causal convolution, newest tap first
+        self.out = nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def convolve(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Tap ``k`` reads the token ``k`` places back when it is in the same document (position at least ``k``)."""
+        kernel, length = self.taps.shape[0], x.shape[1]
+        padded = torch.cat([cp_previous_tokens(x, kernel - 1), x], dim=1)
+        return sum(
+            self.taps[k] * padded[:, kernel - 1 - k : kernel - 1 - k + length] * (position_ids >= k).unsqueeze(-1)
+            for k in range(kernel)
+        )
+
+    def forward(self, h: torch.Tensor, *, position_ids: torch.Tensor) -> torch.Tensor:
+        """Run the block on this rank's contiguous hidden states ``[B, S_local, dim]``."""
+        values, decay_logits, gate = self.mix(self.norm1(h)).chunk(3, dim=-1)
+        values = self.convolve(values, position_ids)
+        log_decays, starts = F.logsigmoid(decay_logits), position_ids == 0
+        states = gated_scan(values, log_decays, starts)
+        no_start_yet = (torch.cumsum(starts.long(), 1) == 0).unsqueeze(-1)
+        cumulative = torch.where(no_start_yet, torch.cumsum(log_decays, 1).exp(), 0)  # product of a_t so far
+        states = states + cumulative * cp_previous_state(states[:, -1], cumulative[:, -1]).unsqueeze(1)
+        h = h + self.out(states * F.silu(gate))
+        return h + self.mlp(self.norm2(h))
+
+
+class TinyLM(pl.LightningModule):
+    """A byte-level language model with learned absolute positions; ``hybrid``: recurrent blocks between attention
+    blocks."""
+
+    def __init__(
+        self, dim: int = 64, heads: int = 4, layers: int = 2, max_len: int = 4096, hybrid: bool = False
+    ) -> None:
         super().__init__()
         self.tokens, self.positions = nn.Embedding(257, dim), nn.Embedding(max_len, dim)
-        self.blocks = nn.ModuleList(TransformerBlock(dim, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(
+            RecurrentBlock(dim) if hybrid and index % 2 else TransformerBlock(dim, heads) for index in range(layers)
+        )
         self.head = nn.Linear(dim, 257)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Return the logits ``[B, S_local, 257]`` of this rank's shard."""
+        h = self.tokens(input_ids) + self.positions(position_ids)
+        for block in self.blocks:
+            h = block(h, position_ids=position_ids) if isinstance(block, RecurrentBlock) else block(h)
+        return self.head(h)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         """Compute the CP-aware loss of this rank's shard."""
-        h = self.tokens(batch["input_ids"]) + self.positions(batch["position_ids"])
-        for block in self.blocks:
-            h = block(h)
-        out = cp_cross_entropy(self.head(h), batch["labels"], batch["loss_token_count"])
+        logits = self(batch["input_ids"], batch["position_ids"])
+        out = cp_cross_entropy(logits, batch["labels"], batch["loss_token_count"])
         self.log("train_loss", out.mean, prog_bar=True)
         return out.loss
 
@@ -70,6 +145,7 @@ def main() -> None:
     """Train for a few steps on the embedded corpus with cp=2 on 2 CPU processes."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-steps", type=int, default=60)
+    ap.add_argument("--hybrid", action="store_true", help="recurrent blocks between the attention blocks")
     args = ap.parse_args()
     pl.seed_everything(0)
     trainer = pl.Trainer(
@@ -81,7 +157,8 @@ def main() -> None:
         logger=False,
         enable_checkpointing=False,
     )
-    trainer.fit(TinyLM(), datamodule=PackedTextDataModule(tokens_per_sample=1024))
+    model = TinyLM(layers=4 if args.hybrid else 2, hybrid=args.hybrid)
+    trainer.fit(model, datamodule=PackedTextDataModule(tokens_per_sample=1024))
     if trainer.is_global_zero:
         print(f"final train loss {float(trainer.callback_metrics['train_loss']):.3f}")
 

@@ -118,10 +118,11 @@ def test_hybrid_policy_config_runs_with_one_conversion_per_layout_change(tmp_pat
     assert {row["cp/layout_conversions"] for row in rows if row.get("cp/layout_conversions")} == {"4.0"}
 
 
-def test_own_module_example_trains() -> None:
+@pytest.mark.parametrize("variant", [[], ["--hybrid"]], ids=["attention", "hybrid"])
+def test_own_module_example_trains(variant: list[str]) -> None:
     example = Path(__file__).resolve().parents[1] / "examples" / "own_module.py"
     result = subprocess.run(
-        [sys.executable, str(example), "--max-steps", "6"],
+        [sys.executable, str(example), "--max-steps", "6", *variant],
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
