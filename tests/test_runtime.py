@@ -362,7 +362,8 @@ def _recurrence_across_shards(
     """A diagonal linear recurrence over dense rows of 24 tokens (a document starting mid-shard): each contiguous
     shard scans from zero and adds the cumulative decay times ``cp_previous_state``. Returns the largest differences
     to one process's scan of the whole rows: states, and gradients of inputs and decays (``decay_width`` 1: one decay
-    per row and token, broadcast over the state's 3 channels; ``bad_decay``: two of the three channels' decays)."""
+    per row and token, broadcast over the state's 3 channels, and with one row given as a 0-dim tensor; ``bad_decay``:
+    two of the three channels' decays)."""
     dims = ParallelDims(1, dist.get_world_size() // tensor_parallel, tensor_parallel)
     mesh = build_context_parallel_mesh("cpu", dims)
     setting = ContextParallelSetting(mesh, boundary_layout=boundary, sequence_parallel=tensor_parallel > 1)
@@ -383,6 +384,8 @@ def _recurrence_across_shards(
         from_zero = linear_scan(shard_inputs, shard_decays)
         cumulative = torch.cumprod(shard_decays, 1)
         shard_decay = cumulative[:, -1, :2] if bad_decay else cumulative[:, -1]
+        if rows == 1 and decay_width == 1:
+            shard_decay = shard_decay.reshape(())
         states = from_zero + cumulative * cp_previous_state(from_zero[:, -1], shard_decay).unsqueeze(1)
         (states * weights[:, positions]).sum().backward()
     pairs = [
@@ -395,8 +398,8 @@ def _recurrence_across_shards(
 
 @pytest.mark.parametrize(
     ("ranks", "tensor_parallel", "rows", "decay_width"),
-    [(3, 1, 1, 3), (3, 1, 2, 1), (4, 2, 1, 3)],
-    ids=["cp3", "cp3-two-rows-scalar-decay", "cp2xtp2-sequence-parallel"],
+    [(3, 1, 1, 3), (3, 1, 2, 1), (3, 1, 1, 1), (4, 2, 1, 3)],
+    ids=["cp3", "cp3-a-decay-per-row", "cp3-a-0-dim-decay", "cp2xtp2-sequence-parallel"],
 )
 def test_a_recurrence_carried_across_shards_matches_one_process(
     ranks: int, tensor_parallel: int, rows: int, decay_width: int

@@ -188,10 +188,12 @@ def cp_previous_state(final_state: torch.Tensor, decay: torch.Tensor) -> torch.T
     if group is None:
         return torch.zeros_like(final_state)
     dtype = torch.promote_types(final_state.dtype, decay.dtype)
-    pair = torch.stack([final_state.to(dtype), decay.to(dtype).expand_as(final_state)])
-    shards = comm.all_gather_stack(pair, group)  # [ranks, 2, ...]: every shard's final state and decay
+    both = torch.cat([final_state.to(dtype).flatten(), decay.to(dtype).flatten()])  # the decay as small as given
+    shards = comm.all_gather_stack(both, group)  # [ranks, state + decay values]
+    states = shards[:, : final_state.numel()].reshape(-1, *final_state.shape)
+    decays = shards[:, final_state.numel() :].reshape(-1, *decay.shape)
     # zeros that depend on the gather, so that every rank (the first included) takes part in its backward
-    entering = shards[0, 0].masked_fill(torch.ones((), dtype=torch.bool, device=pair.device), 0)
-    for state, shard_decay in shards[: comm.group_rank(group)]:
+    entering = states[0].masked_fill(torch.ones((), dtype=torch.bool, device=both.device), 0)
+    for state, shard_decay in zip(states[: comm.group_rank(group)], decays, strict=False):
         entering = state + shard_decay * entering
     return entering.to(final_state.dtype)
