@@ -1,7 +1,7 @@
 """Context parallelism in your own LightningModule: ``strategy="cp_zigzag"``, ``cp_attention``, ``cp_cross_entropy``.
 
     python examples/own_module.py            # 2 CPU processes, cp=2, gloo
-    python examples/own_module.py --hybrid   # attention blocks and gated linear recurrences in turn
+    python examples/own_module.py --hybrid   # attention blocks and gated linear recurrences in turn (4 blocks)
 
 What changes against a plain single-device module:
 - attention calls ``cp_attention(q, k, v)`` on batch-first ``[B, S_local, H, D]`` tensors;
@@ -90,10 +90,11 @@ class RecurrentBlock(nn.Module):
         """Tap ``k`` reads the token ``k`` places back when it is in the same document (position at least ``k``)."""
         kernel, length = self.taps.shape[0], x.shape[1]
         padded = torch.cat([cp_previous_tokens(x, kernel - 1), x], dim=1)
-        return sum(
+        taps = [
             self.taps[k] * padded[:, kernel - 1 - k : kernel - 1 - k + length] * (position_ids >= k).unsqueeze(-1)
             for k in range(kernel)
-        )
+        ]
+        return torch.stack(taps).sum(0)
 
     def forward(self, h: torch.Tensor, *, position_ids: torch.Tensor) -> torch.Tensor:
         """Run the block on this rank's contiguous hidden states ``[B, S_local, dim]``."""
@@ -109,8 +110,7 @@ class RecurrentBlock(nn.Module):
 
 
 class TinyLM(pl.LightningModule):
-    """A byte-level language model with learned absolute positions; ``hybrid``: recurrent blocks between attention
-    blocks."""
+    """A byte-level language model with learned absolute positions; ``hybrid``: every second block recurrent."""
 
     def __init__(
         self, dim: int = 64, heads: int = 4, layers: int = 2, max_len: int = 4096, hybrid: bool = False
@@ -145,7 +145,7 @@ def main() -> None:
     """Train for a few steps on the embedded corpus with cp=2 on 2 CPU processes."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-steps", type=int, default=60)
-    ap.add_argument("--hybrid", action="store_true", help="recurrent blocks between the attention blocks")
+    ap.add_argument("--hybrid", action="store_true", help="every second block recurrent (4 blocks)")
     args = ap.parse_args()
     pl.seed_everything(0)
     trainer = pl.Trainer(

@@ -22,7 +22,8 @@ _SPEC = importlib.util.spec_from_file_location("own_module_example", _PATH)
 example = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(example)
 
-DOCUMENT_LENGTHS = (5, 17, 4, 9, 1, 12)  # 48 tokens: a document crosses each shard boundary at cp 2 and 3
+DOCUMENT_LENGTHS = (3, 2, 38, 1, 4)  # 48 tokens: the third document crosses every shard boundary at cp 2 and 3
+# and holds all of the middle shard at cp 3, so the state entering the last shard is composed over two ranks
 
 
 def _documents_one_by_one(inputs: torch.Tensor, decays: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
@@ -76,16 +77,13 @@ def _context_parallel() -> tuple[float, dict[str, np.ndarray]]:
     offsets = torch.tensor([0, *torch.tensor(DOCUMENT_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
     batch = {"input_ids": _token_ids(), "cu_seqlens": offsets}
     with runtime.step(batch):
-        result = cp_cross_entropy(model(batch["input_ids"], batch["position_ids"]), **_targets(batch))
+        logits = model(batch["input_ids"], batch["position_ids"])
+        result = cp_cross_entropy(logits, batch["labels"], batch["loss_token_count"])
     result.loss.backward()
     for parameter in model.parameters():
         dist.all_reduce(parameter.grad)
         parameter.grad /= cp
-    return result.mean.item(), {name: parameter.grad.numpy() for name, parameter in model.named_parameters()}
-
-
-def _targets(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {"labels": batch["labels"], "loss_token_count": batch["loss_token_count"]}
+    return result.mean.item(), {name: parameter.grad.numpy().copy() for name, parameter in model.named_parameters()}
 
 
 @pytest.mark.parametrize("cp", [2, 3])

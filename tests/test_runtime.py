@@ -417,9 +417,8 @@ def test_a_carried_state_needs_contiguous_shards_and_a_decay_that_broadcasts() -
         _recurrence_across_shards, 2, 1, 1, 3, "zigzag", match="cp_previous_state needs the contiguous layout"
     )
     assert_same_error_on_every_rank(
-        _recurrence_across_shards, 2, 1, 2, 3, "contiguous", True,
-        match="the decay's shape (2, 2) does not broadcast to the state's shape (2, 3)",
-    )  # fmt: skip
+        _recurrence_across_shards, 2, rows=2, bad_decay=True, match="the decay's shape (2, 2) does not broadcast"
+    )
 
 
 def test_a_hybrid_stack_with_linear_recurrences_trains_as_one_process() -> None:

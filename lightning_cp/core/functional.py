@@ -174,7 +174,8 @@ def cp_previous_state(final_state: torch.Tensor, decay: torch.Tensor) -> torch.T
     ``S_{r-1} + D_{r-1} * (the state entering r - 1)``: zeros on the first rank, on one shard or without an active
     step; differentiable in both arguments. Adding ``cumprod(a)_t * state`` to the shard's states from zero (or
     running the shard's scan again from it) gives one device's states; ``a_t = 0`` at a document's start keeps state
-    from crossing documents. One all-gather of state and decay over the ranks holding contiguous shards."""
+    from crossing documents. One all-gather of state and decay over the ranks holding contiguous shards, in the
+    wider of their dtypes (the result comes back in the state's)."""
     try:
         broadcast = torch.broadcast_shapes(decay.shape, final_state.shape)
     except RuntimeError:
@@ -194,6 +195,7 @@ def cp_previous_state(final_state: torch.Tensor, decay: torch.Tensor) -> torch.T
     decays = shards[:, final_state.numel() :].reshape(-1, *decay.shape)
     # zeros that depend on the gather, so that every rank (the first included) takes part in its backward
     entering = states[0].masked_fill(torch.ones((), dtype=torch.bool, device=both.device), 0)
-    for state, shard_decay in zip(states[: comm.group_rank(group)], decays, strict=False):
+    rank = comm.group_rank(group)
+    for state, shard_decay in zip(states[:rank], decays[:rank], strict=True):
         entering = state + shard_decay * entering
     return entering.to(final_state.dtype)
