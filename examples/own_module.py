@@ -29,6 +29,7 @@ from torch import nn
 # importing lightning_cp registers "cp_zigzag"
 from lightning_cp import cp_attention, cp_cross_entropy, cp_previous_state, cp_previous_tokens
 from lightning_cp.train.data import PackedTextDataModule
+from lightning_cp.train.models.layers import causal_convolution, gated_scan
 
 
 class TransformerBlock(nn.Module):
@@ -49,33 +50,13 @@ class TransformerBlock(nn.Module):
         return h + self.mlp(self.norm2(h))
 
 
-def gated_scan(values: torch.Tensor, log_decays: torch.Tensor, starts: torch.Tensor, chunk: int = 64) -> torch.Tensor:
-    """States ``h_t = a_t * h_{t-1} + x_t`` along dim 1 of ``[B, S, D]`` from a zero state, with ``a_t`` =
-    ``exp(log_decays_t)``, or 0 where ``starts`` marks a document's first token. Each chunk of ``chunk`` tokens at
-    once (token ``s`` reaches ``t`` with the decays between them, unless a document starts in between), the last
-    state carried from chunk to chunk."""
-    outputs, carried = [], values.new_zeros(values[:, 0].shape)
-    for first in range(0, values.shape[1], chunk):
-        x, log_a = values[:, first : first + chunk], log_decays[:, first : first + chunk]
-        document = torch.cumsum(starts[:, first : first + chunk].long(), 1)  # documents begun in the chunk so far
-        decayed = torch.cumsum(log_a, 1)
-        length = x.shape[1]
-        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
-        reaches = (document[:, :, None] == document[:, None, :]) & causal  # [B, t, s]
-        gaps = torch.where(reaches[..., None], decayed[:, :, None] - decayed[:, None, :], -torch.inf)
-        states = torch.einsum("btsd,bsd->btd", gaps.exp(), x)
-        states = states + torch.where(document[..., None] == 0, decayed.exp(), 0) * carried[:, None]
-        outputs.append(states)
-        carried = states[:, -1]
-    return torch.cat(outputs, 1)
-
-
 class RecurrentBlock(nn.Module):
     """Pre-norm gated linear recurrence (a diagonal state-space mixer) and MLP, run on contiguous shards.
 
     A short causal convolution takes the tokens before this rank's shard from ``cp_previous_tokens``, the scan runs
     from a zero state and adds the state entering the shard (``cp_previous_state``) times its cumulative decay; both
     restart at each document's start (``position_ids == 0``), so the block computes what it computes on one device.
+    (The built-in model's ``RecurrentBlock`` is the same mixer; the convolution and the chunked scan are its.)
     """
 
     def __init__(self, dim: int, kernel: int = 4) -> None:
@@ -86,20 +67,10 @@ class RecurrentBlock(nn.Module):
         self.out = nn.Linear(dim, dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
-    def convolve(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Tap ``k`` reads the token ``k`` places back when it is in the same document (position at least ``k``)."""
-        kernel, length = self.taps.shape[0], x.shape[1]
-        padded = torch.cat([cp_previous_tokens(x, kernel - 1), x], dim=1)
-        taps = [
-            self.taps[k] * padded[:, kernel - 1 - k : kernel - 1 - k + length] * (position_ids >= k).unsqueeze(-1)
-            for k in range(kernel)
-        ]
-        return torch.stack(taps).sum(0)
-
     def forward(self, h: torch.Tensor, *, position_ids: torch.Tensor) -> torch.Tensor:
         """Run the block on this rank's contiguous hidden states ``[B, S_local, dim]``."""
         values, decay_logits, gate = self.mix(self.norm1(h)).chunk(3, dim=-1)
-        values = self.convolve(values, position_ids)
+        values = causal_convolution(values, cp_previous_tokens(values, self.taps.shape[0] - 1), self.taps, position_ids)
         log_decays, starts = F.logsigmoid(decay_logits), position_ids == 0
         states = gated_scan(values, log_decays, starts)
         no_start_yet = (torch.cumsum(starts.long(), 1) == 0).unsqueeze(-1)

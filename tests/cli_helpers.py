@@ -32,3 +32,14 @@ def assert_same(a: list[float], b: list[float], rel: float) -> None:
     assert len(a) == len(b) and a
     for x, y in zip(a, b, strict=True):
         assert abs(x - y) <= rel * abs(y), (x, y)
+
+
+def assert_same_losses(run_dir: Path, reference_dir: Path, steps: int, val_steps: list[int]) -> list[float]:
+    """Both runs logged training losses at steps ``0 .. steps - 1`` and validation losses after ``val_steps`` trained
+    steps, equal to relative 1e-9 (float64 runs); returns the reference's validation losses."""
+    (train_steps, train), (validated, val) = run_losses(run_dir)
+    (reference_steps, reference_train), (reference_validated, reference_val) = run_losses(reference_dir)
+    assert train_steps == reference_steps == list(range(steps)) and validated == reference_validated == val_steps
+    assert_same(train, reference_train, rel=1e-9)
+    assert_same(val, reference_val, rel=1e-9)
+    return reference_val

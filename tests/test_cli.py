@@ -14,7 +14,7 @@ import torch
 
 from lightning_cp.train.data import ByteTokenizer, HFTokenizer
 from lightning_cp.train.runfolder import read_metrics
-from tests.cli_helpers import SCRIPT, TIMEOUT, assert_same, cli_env, run_cli, run_losses
+from tests.cli_helpers import SCRIPT, TIMEOUT, assert_same, assert_same_losses, cli_env, run_cli, run_losses
 
 SHORT = [
     "trainer.max_steps=24",
@@ -110,11 +110,17 @@ def test_a_built_in_checkpoint_with_model_pretrained_names_that_mismatch(full_ru
         check_checkpoint_fits(cfg, ckpt, "checkpoint.resume_from")
 
 
-def test_hybrid_policy_config_runs_with_one_conversion_per_layout_change(tmp_path: Path) -> None:
-    overrides = ["model.num_layers=4", "trainer.max_steps=3", f"run.root={tmp_path}", "run.name=h"]
-    result = run_cli("fit", "--config", "hybrid", *SHORT, *overrides)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = read_metrics(tmp_path / "h" / "metrics.csv")
+def test_the_hybrid_config_matches_one_device_with_one_conversion_per_layout_change(tmp_path: Path) -> None:
+    """Attention and recurrent blocks in turn (4 layers): cp=2 writes cp=1's float64 losses (relative 1e-9), with 4
+    layout conversions per forward."""
+    parity = [*SHORT[2:], "model.num_layers=4", "trainer.max_steps=4", "trainer.val_check_interval=2"]
+    for devices in (1, 2):
+        overrides = [f"trainer.devices={devices}", f"strategy.context_parallel_size={devices}"]
+        run = [*parity, *overrides, "trainer.precision=64-true", f"run.root={tmp_path}", f"run.name=cp{devices}"]
+        result = run_cli("fit", "--config", "hybrid", *run)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_losses(tmp_path / "cp2", tmp_path / "cp1", 4, [0, 2, 4])
+    rows = read_metrics(tmp_path / "cp2" / "metrics.csv")
     assert {row["cp/layout_conversions"] for row in rows if row.get("cp/layout_conversions")} == {"4.0"}
 
 

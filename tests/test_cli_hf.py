@@ -14,7 +14,7 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from lightning_cp.train.runfolder import read_metrics
-from tests.cli_helpers import assert_same, run_cli, run_losses
+from tests.cli_helpers import assert_same_losses, run_cli
 
 WORDS = "the a cat dog sat ran on under mat log why how what is did yes no it there here".split()  # noqa: SIM905
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
@@ -89,11 +89,7 @@ def test_fine_tuning_a_pretrained_folder(pretrained: Path, tmp_path: Path) -> No
         chunked = ["model.loss_chunk_tokens=8"] if devices == 2 else []
         result = run_cli("fit", *common, *cp, *chunked)
         assert result.returncode == 0, result.stderr[-3000:]
-    (steps1, train1), (val_steps1, val1) = run_losses(tmp_path / "cp1")
-    (steps2, train2), (val_steps2, val2) = run_losses(tmp_path / "cp2")
-    assert steps1 == steps2 == list(range(4)) and val_steps1 == val_steps2 == [0, 2, 4]
-    assert_same(train2, train1, rel=1e-9)
-    assert_same(val2, val1, rel=1e-9)
+    val1 = assert_same_losses(tmp_path / "cp2", tmp_path / "cp1", 4, [0, 2, 4])
     assert abs(val1[0] - _independent_val_loss(pretrained)) <= 1e-9 * val1[0]
     assert read_metrics(tmp_path / "cp2" / "metrics.csv")
     reload = (

@@ -55,6 +55,22 @@ def test_defaults_then_file_then_overrides(tmp_path) -> None:
         (["trainer.devices=3"], r"world size 3 .* not divisible by .* = 2"),
         (["trainer.devices=4", "strategy.tensor_parallel_size=3"], r"world size 4 .* = 6"),
         (["model.num_layers=0"], r"model.num_layers: got 0; expected an integer >= 1"),
+        (
+            ["model.layer_types=[attention,recurrent]"],
+            r"model.layer_types: got \['attention', 'recurrent'\]; "
+            r"expected 4 entries \(num_layers\), each one of \('attention', 'recurrent'\)",
+        ),
+        (["model.layer_types=[attention,mamba,attention,attention]"], r"model.layer_types: got .*'mamba'"),
+        (
+            [
+                "model.layer_types=[attention,recurrent,attention,recurrent]",
+                "strategy.data_parallel=fsdp",
+                "trainer.devices=4",
+                "strategy.tensor_parallel_size=2",
+            ],
+            r"strategy.tensor_parallel_size=2 with recurrent layers in "
+            r"model.layer_types: tensor parallelism has a plan for attention layers only",
+        ),
         (["data.val_fraction=1.0"], r"data.val_fraction: got 1.0; expected a number in \[0, 1\)"),
         (["trainer.max_steps"], r"not of the form key=value"),
     ],
@@ -90,7 +106,7 @@ def test_every_packaged_config_loads_by_name_and_path() -> None:
     cp4 = load_config(str(REPO / "configs" / "cp4_cpu.yaml"))
     assert cp4.strategy.context_parallel_size == 4 and cp4.trainer.devices == 4
     hybrid = load_config("hybrid")
-    assert list(hybrid.layout.contiguous_layers) and list(hybrid.layout.zigzag_layers)
+    assert list(hybrid.model.layer_types) == ["attention", "recurrent", "attention", "recurrent"]
 
 
 def test_print_config_prints_the_merged_yaml(capsys) -> None:

@@ -1,5 +1,5 @@
-"""The own-module example's hybrid model: its chunked scan against a step-by-step one, and the whole model at cp 2
-and 3 against one process running each document on its own (float64)."""
+"""The own-module example's hybrid model at cp 2 and 3 against one process running each document on its own
+(float64)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from lightning_cp import ContextParallelRuntime, ContextParallelSetting, cp_cross_entropy
 from lightning_cp.core.mesh import ParallelDims, build_context_parallel_mesh
 from tests.distributed_harness import run_on_ranks
-from tests.model_helpers import linear_scan
 
 _PATH = Path(__file__).resolve().parents[1] / "examples" / "own_module.py"
 _SPEC = importlib.util.spec_from_file_location("own_module_example", _PATH)
@@ -24,24 +23,6 @@ _SPEC.loader.exec_module(example)
 
 DOCUMENT_LENGTHS = (3, 2, 38, 1, 4)  # 48 tokens: the third document crosses every shard boundary at cp 2 and 3
 # and holds all of the middle shard at cp 3, so the state entering the last shard is composed over two ranks
-
-
-def _documents_one_by_one(inputs: torch.Tensor, decays: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    """The step-by-step scan run on each document separately (a document restarts from a zero state)."""
-    cuts = torch.nonzero(starts[0]).flatten().tolist()[1:]
-    pieces = zip(inputs.tensor_split(cuts, 1), decays.tensor_split(cuts, 1), strict=True)
-    return torch.cat([linear_scan(x, a) for x, a in pieces], 1)
-
-
-@pytest.mark.parametrize("chunk", [4, 7, 64])
-def test_the_chunked_scan_equals_a_step_by_step_scan_per_document(chunk: int) -> None:
-    generator = torch.Generator().manual_seed(0)
-    inputs = torch.randn(1, sum(DOCUMENT_LENGTHS), 3, generator=generator, dtype=torch.float64)
-    log_decays = -torch.rand(1, sum(DOCUMENT_LENGTHS), 3, generator=generator, dtype=torch.float64)
-    positions = torch.cat([torch.arange(length) for length in DOCUMENT_LENGTHS]).unsqueeze(0)
-    starts = positions == 0
-    expected = _documents_one_by_one(inputs, log_decays.exp(), starts)
-    assert (example.gated_scan(inputs, log_decays, starts, chunk=chunk) - expected).abs().max() <= 1e-12
 
 
 def _model() -> torch.nn.Module:

@@ -1,4 +1,5 @@
-"""The reference model on one device: shapes, tied weights, RoPE, per-document isolation and the schedule."""
+"""The reference model on one device: shapes, tied weights, RoPE, the recurrent block's convolution and scan,
+per-document isolation and the schedule."""
 
 from __future__ import annotations
 
@@ -6,13 +7,15 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lightning_cp.core.sharding import shard_replica_batch
 from lightning_cp.core.step import ContextParallelStep, activated, contiguous_packed_seq_params
 from lightning_cp.lightning.module import warmup_cosine
 from lightning_cp.train.data import collate_packed, pack_documents
 from lightning_cp.train.models import LlamaConfig, LlamaDecoder, LlamaLM
-from lightning_cp.train.models.layers import apply_rotary, rotary_cos_sin
+from lightning_cp.train.models.layers import apply_rotary, causal_convolution, gated_scan, rotary_cos_sin
+from tests.model_helpers import linear_scan
 
 TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 48}
 
@@ -61,8 +64,9 @@ def test_rotary_angles_of_far_positions_survive_half_precision(dtype: torch.dtyp
     assert (sin.double() - exact_sin).abs().max() <= rounding
 
 
-def test_packed_documents_do_not_see_each_other() -> None:
-    model = _model()
+@pytest.mark.parametrize("layer_types", [None, ["recurrent", "attention"]], ids=["attention", "hybrid"])
+def test_packed_documents_do_not_see_each_other(layer_types: list[str] | None) -> None:
+    model = _model(layer_types=layer_types)
     first, second = list(range(40, 53)), list(range(60, 69))
     packed = collate_packed(pack_documents([first, second], budget=32))
     assert packed["cu_seqlens"].tolist() == [0, 13, 22]
@@ -76,6 +80,59 @@ def test_packed_documents_do_not_see_each_other() -> None:
     with activated(ContextParallelStep(contiguous_packed_seq_params=contiguous_packed_seq_params(sharded))):
         together = model(sharded.input_ids, sharded.position_ids)
     torch.testing.assert_close(together[:, 13:], alone, rtol=1e-12, atol=1e-12)
+
+
+DOCUMENT_LENGTHS = (5, 17, 2, 1, 9, 14)
+
+
+def _documents(generator: torch.Generator, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, ...]:
+    """Values ``[1, 48, 3]`` and decays of packed documents, their positions and where each starts."""
+    values = torch.randn(1, sum(DOCUMENT_LENGTHS), 3, generator=generator, dtype=dtype)
+    log_decays = -torch.rand(1, sum(DOCUMENT_LENGTHS), 3, generator=generator, dtype=dtype)
+    positions = torch.cat([torch.arange(length) for length in DOCUMENT_LENGTHS]).unsqueeze(0)
+    return values, log_decays, positions, positions == 0
+
+
+@pytest.mark.parametrize("chunk", [4, 5, 64])
+def test_the_chunked_scan_equals_a_step_by_step_scan_per_document(chunk: int) -> None:
+    """Chunks of 4 start documents at chunk boundaries, of 5 inside them; each document restarts from zero."""
+    values, log_decays, _, starts = _documents(torch.Generator().manual_seed(0))
+    pieces = zip(values.split(DOCUMENT_LENGTHS, 1), log_decays.exp().split(DOCUMENT_LENGTHS, 1), strict=True)
+    expected = torch.cat([linear_scan(x, a) for x, a in pieces], 1)
+    assert (gated_scan(values, log_decays, starts, chunk=chunk) - expected).abs().max() <= 1e-12
+
+
+def test_the_chunked_scan_keeps_finite_gradients_for_extreme_decays() -> None:
+    """Decays of exp(-100) and of almost 1 in float32: outputs and gradients finite (masked before the exponential)."""
+    values, _, _, starts = _documents(torch.Generator().manual_seed(1), torch.float32)
+    log_decays = torch.where(torch.arange(values.shape[1]) % 2 == 0, -100.0, -1e-6).view(1, -1, 1).expand_as(values)
+    values, log_decays = values.requires_grad_(), log_decays.clone().requires_grad_()
+    states = gated_scan(values, log_decays, starts, chunk=16)
+    states.sum().backward()
+    assert all(bool(tensor.isfinite().all()) for tensor in (states, values.grad, log_decays.grad))
+
+
+def _depthwise(sequence: torch.Tensor, taps: torch.Tensor, before: torch.Tensor | None = None) -> torch.Tensor:
+    """``conv1d`` of ``[1, S, C]`` with ``taps`` ``[K, C]`` (newest first) after ``before`` ``[1, K - 1, C]`` (zeros
+    when None), as ``[1, S, C]``."""
+    kernel, channels = taps.shape
+    before = sequence.new_zeros(1, kernel - 1, channels) if before is None else before
+    weight = taps.flip(0).T.unsqueeze(1)  # [channels, 1, kernel], oldest tap first
+    return F.conv1d(torch.cat([before, sequence], 1).transpose(1, 2), weight, groups=channels).transpose(1, 2)
+
+
+def test_the_causal_convolution_restarts_at_each_document() -> None:
+    """Against a depthwise ``conv1d`` of each document alone (zeros before it); with no document starting in the
+    sequence, against one ``conv1d`` of the whole sequence after the tokens given as coming before it."""
+    generator = torch.Generator().manual_seed(2)
+    values, _, positions, _ = _documents(generator)
+    taps = torch.randn(4, 3, generator=generator, dtype=torch.float64)
+    before = torch.randn(1, 3, 3, generator=generator, dtype=torch.float64)
+    alone = torch.cat([_depthwise(document, taps) for document in values.split(DOCUMENT_LENGTHS, 1)], 1)
+    assert (causal_convolution(values, before, taps, positions) - alone).abs().max() <= 1e-12
+    continuing = torch.arange(3, 3 + values.shape[1]).unsqueeze(0)  # one document, begun 3 tokens earlier
+    whole = _depthwise(values, taps, before)
+    assert (causal_convolution(values, before, taps, continuing) - whole).abs().max() <= 1e-12
 
 
 def test_grouped_query_attention_matches_repeated_key_value_heads() -> None:

@@ -21,7 +21,7 @@ from lightning_cp.core.runtime import LayerPolicy
 from lightning_cp.core.zigzag import LAYOUT_NAMES
 from lightning_cp.lightning.fsdp import DATA_PARALLEL_MODES
 from lightning_cp.lightning.strategy import check_attention_settings
-from lightning_cp.train.models.llama import LlamaConfig
+from lightning_cp.train.models.llama import LlamaConfig, layer_kinds
 from lightning_cp.train.models.parallelize import check_tensor_parallel_size
 
 
@@ -251,6 +251,10 @@ def _check_model(model: DictConfig) -> None:
         raise ConfigError(f"model.init_std: got {model.init_std}; expected a standard deviation > 0")
     if model.loss_chunk_tokens < 0:
         raise ConfigError(f"model.loss_chunk_tokens: got {model.loss_chunk_tokens}; expected 0 (whole logits) or more")
+    try:
+        layer_kinds(model.num_layers, model.layer_types)
+    except ValueError as error:
+        raise ConfigError(f"model.{error}") from None
 
 
 def _schema_node(full_key: str) -> tuple[type | None, str]:

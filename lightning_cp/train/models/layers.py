@@ -1,4 +1,5 @@
-"""Llama building blocks: rotary embeddings from position ids, GQA attention through ``cp_attention``, SwiGLU."""
+"""Llama building blocks: rotary embeddings from position ids, GQA attention through ``cp_attention``, SwiGLU, and a
+recurrent block (short convolution and gated linear recurrence) for hybrid stacks."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_cp.core.functional import cp_attention
+from lightning_cp.core.functional import cp_attention, cp_previous_state, cp_previous_tokens
 
 
 def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple:
@@ -94,4 +95,85 @@ class DecoderBlock(nn.Module):
     def forward(self, h: torch.Tensor, *, position_ids: torch.Tensor) -> torch.Tensor:
         """Return the block output for hidden states ``[B, S_local, hidden]``."""
         h = h + self.attention(self.attention_norm(h), position_ids)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+def causal_convolution(
+    x: torch.Tensor, previous: torch.Tensor, taps: torch.Tensor, position_ids: torch.Tensor
+) -> torch.Tensor:
+    """Depthwise causal convolution of ``x`` ``[B, S, D]`` with ``taps`` ``[K, D]`` (newest first), restarting at each
+    document's start: tap ``k`` reads the token ``k`` places back when its position is at least ``k``; ``previous``
+    ``[B, K - 1, D]`` are the tokens before ``x`` (from the previous rank: ``cp_previous_tokens``)."""
+    kernel, length = taps.shape[0], x.shape[1]
+    padded = torch.cat([previous, x], dim=1)
+    windows = [
+        taps[k] * padded[:, kernel - 1 - k : kernel - 1 - k + length] * (position_ids >= k).unsqueeze(-1)
+        for k in range(kernel)
+    ]
+    return torch.stack(windows).sum(0)
+
+
+def gated_scan(values: torch.Tensor, log_decays: torch.Tensor, starts: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """States ``h_t = a_t * h_{t-1} + x_t`` along dim 1 of ``[B, S, D]`` from a zero state, with ``a_t`` =
+    ``exp(log_decays_t)``, or 0 where ``starts`` marks a document's first token. Each chunk of ``chunk`` tokens at
+    once (token ``s`` reaches ``t`` with the decays between them, unless a document starts in between; masked before
+    the exponential, so no gradient is NaN), the last state carried from chunk to chunk."""
+    outputs, carried = [], values.new_zeros(values[:, 0].shape)
+    for first in range(0, values.shape[1], chunk):
+        x, log_a = values[:, first : first + chunk], log_decays[:, first : first + chunk]
+        document = torch.cumsum(starts[:, first : first + chunk].long(), 1)  # documents begun in the chunk so far
+        decayed = torch.cumsum(log_a, 1)
+        length = x.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+        reaches = (document[:, :, None] == document[:, None, :]) & causal  # [B, t, s]
+        gaps = torch.where(reaches[..., None], decayed[:, :, None] - decayed[:, None, :], -torch.inf)
+        states = torch.einsum("btsd,bsd->btd", gaps.exp(), x)
+        states = states + torch.where(document[..., None] == 0, decayed.exp(), 0) * carried[:, None]
+        outputs.append(states)
+        carried = states[:, -1]
+    return torch.cat(outputs, 1)
+
+
+class GatedRecurrence(nn.Module):
+    """A diagonal linear recurrence over a short causal convolution, gated on the way out (a small state-space mixer
+    of hybrid models). On contiguous CP shards it is exact: the convolution takes the tokens before the shard from
+    ``cp_previous_tokens``, the scan runs from a zero state and adds the state entering the shard
+    (``cp_previous_state``) times its cumulative decay; both restart at each document's start."""
+
+    def __init__(self, hidden_size: int, kernel: int = 4) -> None:
+        super().__init__()
+        self.value_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.decay_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.taps = nn.Parameter(torch.zeros(kernel, hidden_size))
+        with torch.no_grad():
+            self.taps[0] = 1.0  # the convolution starts as the identity
+        self.out_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Mix ``x`` ``[B, S_local, hidden]`` along the sequence (this rank's contiguous shard)."""
+        values = self.value_proj(x)
+        values = causal_convolution(values, cp_previous_tokens(values, self.taps.shape[0] - 1), self.taps, position_ids)
+        log_decays, starts = F.logsigmoid(self.decay_proj(x)), position_ids == 0
+        states = gated_scan(values, log_decays, starts)
+        no_start_yet = (torch.cumsum(starts.long(), 1) == 0).unsqueeze(-1)
+        cumulative = torch.where(no_start_yet, torch.cumsum(log_decays, 1).exp(), 0)  # product of a_t so far
+        states = states + cumulative * cp_previous_state(states[:, -1], cumulative[:, -1]).unsqueeze(1)
+        return self.out_proj(states * F.silu(self.gate_proj(x)))
+
+
+class RecurrentBlock(nn.Module):
+    """Pre-norm block of a ``GatedRecurrence`` and a SwiGLU MLP; the default layout policy runs ``*RecurrentBlock``
+    on contiguous shards."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, norm_eps: float) -> None:
+        super().__init__()
+        self.recurrence_norm = nn.RMSNorm(hidden_size, eps=norm_eps)
+        self.recurrence = GatedRecurrence(hidden_size)
+        self.mlp_norm = nn.RMSNorm(hidden_size, eps=norm_eps)
+        self.mlp = SwiGLU(hidden_size, intermediate_size)
+
+    def forward(self, h: torch.Tensor, *, position_ids: torch.Tensor) -> torch.Tensor:
+        """Return the block output for hidden states ``[B, S_local, hidden]``."""
+        h = h + self.recurrence(self.recurrence_norm(h), position_ids)
         return h + self.mlp(self.mlp_norm(h))

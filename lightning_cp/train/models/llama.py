@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_cp.train.models.layers import DecoderBlock
+from lightning_cp.train.models.layers import DecoderBlock, RecurrentBlock
+
+LAYER_TYPES = ("attention", "recurrent")
 
 
 @dataclass
@@ -27,10 +30,23 @@ class LlamaConfig:
     init_std: float = 0.02
     activation_checkpointing: bool = False
     loss_chunk_tokens: int = 0
+    layer_types: list[str] | None = field(default=None)
+    """One of ``LAYER_TYPES`` per layer (a hybrid stack); None: every layer attention."""
+
+
+def layer_kinds(num_layers: int, layer_types: Sequence[str] | None) -> list[str]:
+    """Each layer's type, checked: ``layer_types``, or attention throughout."""
+    kinds = ["attention"] * num_layers if layer_types is None else list(layer_types)
+    if len(kinds) != num_layers or not set(kinds) <= set(LAYER_TYPES):
+        raise ValueError(
+            f"layer_types: got {kinds}; expected {num_layers} entries (num_layers), each one of {LAYER_TYPES}"
+        )
+    return kinds
 
 
 class LlamaDecoder(nn.Module):
-    """Token embedding, ``num_layers`` decoder blocks, final RMSNorm and the (tied or untied) output head."""
+    """Token embedding, ``num_layers`` blocks (attention, or recurrent where ``layer_types`` says), final RMSNorm and
+    the (tied or untied) output head."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -44,7 +60,9 @@ class LlamaDecoder(nn.Module):
                 config.rope_theta,
                 config.norm_eps,
             )
-            for _ in range(config.num_layers)
+            if kind == "attention"
+            else RecurrentBlock(config.hidden_size, config.intermediate_size, config.norm_eps)
+            for kind in layer_kinds(config.num_layers, config.layer_types)
         )
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -54,11 +72,13 @@ class LlamaDecoder(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def _init_weights(self, std: float, num_layers: int) -> None:
-        """Normal init; output projections of the residual branches scaled down by ``sqrt(2 * num_layers)``."""
+        """Normal init of the matrices (the convolution taps keep their identity start); output projections of the
+        residual branches scaled down by ``sqrt(2 * num_layers)``."""
         for name, param in self.named_parameters():
-            if param.dim() < 2:
+            if param.dim() < 2 or name.endswith(".taps"):
                 continue
-            scale = (2 * num_layers) ** -0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+            residual_outputs = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+            scale = (2 * num_layers) ** -0.5 if name.endswith(residual_outputs) else 1.0
             nn.init.normal_(param, mean=0.0, std=std * scale)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
