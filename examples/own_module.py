@@ -11,7 +11,7 @@ What changes against a plain single-device module:
   callback converts them along.
 - a recurrent block (``RecurrentBlock``, run on contiguous shards by the default policy) takes what precedes its
   shard from the ranks before: the last tokens for its convolution (``cp_previous_tokens``), the state entering the
-  shard for its scan (``cp_previous_state``).
+  shard for its scan (``cp_previous_state``); here the built-in model's mixer, ``GatedRecurrence``, does both.
 The strategy's callback hands ``training_step`` this rank's shard: ``input_ids``, ``labels`` (shifted per document),
 ``position_ids`` and ``loss_token_count``. The dataloader yields whole packed batches: ``input_ids`` ``[1, T]`` and
 int32 ``cu_seqlens`` (here from ``PackedTextDataModule``; any loader yielding that dict works).
@@ -23,13 +23,11 @@ import argparse
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-# importing lightning_cp registers "cp_zigzag"
-from lightning_cp import cp_attention, cp_cross_entropy, cp_previous_state, cp_previous_tokens
+from lightning_cp import cp_attention, cp_cross_entropy  # importing lightning_cp registers "cp_zigzag"
 from lightning_cp.train.data import PackedTextDataModule
-from lightning_cp.train.models.layers import causal_convolution, gated_scan
+from lightning_cp.train.models import GatedRecurrence
 
 
 class TransformerBlock(nn.Module):
@@ -51,32 +49,23 @@ class TransformerBlock(nn.Module):
 
 
 class RecurrentBlock(nn.Module):
-    """Pre-norm gated linear recurrence (a diagonal state-space mixer) and MLP, run on contiguous shards.
+    """Pre-norm recurrent mixer and MLP, run on contiguous shards (the default policy matches ``*RecurrentBlock``).
 
-    A short causal convolution takes the tokens before this rank's shard from ``cp_previous_tokens``, the scan runs
-    from a zero state and adds the state entering the shard (``cp_previous_state``) times its cumulative decay; both
-    restart at each document's start (``position_ids == 0``), so the block computes what it computes on one device.
-    (The built-in model's ``RecurrentBlock`` is the same mixer; the convolution and the chunked scan are its.)
+    The mixer is the built-in model's ``GatedRecurrence``: a short causal convolution that takes the tokens before
+    this rank's shard from ``cp_previous_tokens``, and a gated linear recurrence scanned from a zero state that adds
+    the state entering the shard (``cp_previous_state``) times its cumulative decay; both restart at each document's
+    start (``position_ids == 0``), so the block computes what it computes on one device.
     """
 
-    def __init__(self, dim: int, kernel: int = 4) -> None:
+    def __init__(self, dim: int) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.mix = nn.Linear(dim, 3 * dim)  # values, decay logits, output gate
-        self.taps = nn.Parameter(torch.randn(kernel, dim) / kernel)  # depthwise causal convolution, newest tap first
-        self.out = nn.Linear(dim, dim)
+        self.mixer = GatedRecurrence(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, h: torch.Tensor, *, position_ids: torch.Tensor) -> torch.Tensor:
         """Run the block on this rank's contiguous hidden states ``[B, S_local, dim]``."""
-        values, decay_logits, gate = self.mix(self.norm1(h)).chunk(3, dim=-1)
-        values = causal_convolution(values, cp_previous_tokens(values, self.taps.shape[0] - 1), self.taps, position_ids)
-        log_decays, starts = F.logsigmoid(decay_logits), position_ids == 0
-        states = gated_scan(values, log_decays, starts)
-        no_start_yet = (torch.cumsum(starts.long(), 1) == 0).unsqueeze(-1)
-        cumulative = torch.where(no_start_yet, torch.cumsum(log_decays, 1).exp(), 0)  # product of a_t so far
-        states = states + cumulative * cp_previous_state(states[:, -1], cumulative[:, -1]).unsqueeze(1)
-        h = h + self.out(states * F.silu(gate))
+        h = h + self.mixer(self.norm1(h), position_ids)
         return h + self.mlp(self.norm2(h))
 
 

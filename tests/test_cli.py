@@ -99,6 +99,19 @@ def test_checkpoint_or_data_that_does_not_fit_is_a_clear_error(full_run: Path, t
     assert not (tmp_path / "none").exists()
 
 
+def test_attention_spelled_out_for_every_layer_fits_a_checkpoint_without_layer_types(full_run: Path) -> None:
+    """``model.layer_types`` null and attention for every layer are one architecture; a recurrent layer is another."""
+    from lightning_cp.train.config import ConfigError, load_config
+    from lightning_cp.train.runner import check_checkpoint_fits
+
+    model = [override for override in SHORT if override.startswith("model.")]
+    ckpt = str(full_run / "checkpoints" / "last.ckpt")
+    check_checkpoint_fits(load_config(None, [*model, "model.layer_types=[attention,attention]"]), ckpt, "resume")
+    hybrid = load_config(None, [*model, "model.layer_types=[attention,recurrent]"])
+    with pytest.raises(ConfigError, match=r"model.layer_types is None in the checkpoint but \['attention', 'recurrent"):
+        check_checkpoint_fits(hybrid, ckpt, "resume")
+
+
 def test_a_built_in_checkpoint_with_model_pretrained_names_that_mismatch(full_run: Path) -> None:
     """Not the architecture defaults that ``model.pretrained`` leaves unset, which the user would then set in vain."""
     from lightning_cp.train.config import ConfigError, load_config

@@ -4,10 +4,12 @@ per-document isolation and the schedule."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from lightning_cp.core.sharding import shard_replica_batch
 from lightning_cp.core.step import ContextParallelStep, activated, contiguous_packed_seq_params
@@ -15,6 +17,7 @@ from lightning_cp.lightning.module import warmup_cosine
 from lightning_cp.train.data import collate_packed, pack_documents
 from lightning_cp.train.models import LlamaConfig, LlamaDecoder, LlamaLM
 from lightning_cp.train.models.layers import apply_rotary, causal_convolution, gated_scan, rotary_cos_sin
+from tests.distributed_harness import run_on_ranks
 from tests.model_helpers import linear_scan
 
 TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 48}
@@ -95,7 +98,7 @@ def _documents(generator: torch.Generator, dtype: torch.dtype = torch.float64) -
 
 @pytest.mark.parametrize("chunk", [4, 5, 64])
 def test_the_chunked_scan_equals_a_step_by_step_scan_per_document(chunk: int) -> None:
-    """Chunks of 4 start documents at chunk boundaries, of 5 inside them; each document restarts from zero."""
+    """Documents start at chunk boundaries and inside chunks (starts 0, 5, 22, 24, 25, 34); each restarts from zero."""
     values, log_decays, _, starts = _documents(torch.Generator().manual_seed(0))
     pieces = zip(values.split(DOCUMENT_LENGTHS, 1), log_decays.exp().split(DOCUMENT_LENGTHS, 1), strict=True)
     expected = torch.cat([linear_scan(x, a) for x, a in pieces], 1)
@@ -154,8 +157,10 @@ def test_bad_head_counts_are_rejected() -> None:
         LlamaDecoder(LlamaConfig(hidden_size=32, num_heads=4, num_kv_heads=3))
 
 
-def test_activation_checkpointing_gives_the_same_gradients() -> None:
-    plain, checkpointed = _model(), _model(activation_checkpointing=True)
+@pytest.mark.parametrize("layer_types", [None, ["recurrent", "attention"]], ids=["attention", "hybrid"])
+def test_activation_checkpointing_gives_the_same_gradients(layer_types: list[str] | None) -> None:
+    plain = _model(layer_types=layer_types)
+    checkpointed = _model(activation_checkpointing=True, layer_types=layer_types)
     batch = collate_packed(pack_documents([list(range(30, 50)), list(range(70, 80))], budget=64))
     grads = []
     for model, runs_per_layer in ((plain, 1), (checkpointed, 2)):
@@ -176,3 +181,25 @@ def test_warmup_cosine_schedule() -> None:
     assert warmup_cosine(55, 10, 100, 0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert warmup_cosine(100, 10, 100, 0.1) == pytest.approx(0.1)
     assert warmup_cosine(500, 10, 100, 0.1) == pytest.approx(0.1)
+
+
+def _tensor_parallel_model(layer_types: list[str]) -> str:
+    """Apply the module's tensor-parallel plan over 2 ranks; return the error it raised, if any."""
+    from lightning_cp.core.comm import init_device_mesh
+    from lightning_cp.core.mesh import TENSOR_PARALLEL
+
+    module = LlamaLM(**{**TINY, "layer_types": layer_types})
+    module._device_mesh = init_device_mesh("cpu", (2,), (TENSOR_PARALLEL,))
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace(sequence_parallel=False))  # what the hook reads
+    try:
+        module.configure_model()
+    except ValueError as error:
+        return str(error)
+    return "sharded" if isinstance(module.model.layers[0].mlp.up_proj.weight, DTensor) else "not sharded"
+
+
+def test_tensor_parallelism_refuses_recurrent_layers_and_shards_attention_ones() -> None:
+    """Outside the CLI too (before, an AttributeError looking for the first layer's attention)."""
+    for outcome in run_on_ranks(_tensor_parallel_model, 2, ["recurrent", "attention"]):
+        assert "tensor parallelism has a plan for attention layers only" in outcome
+    assert run_on_ranks(_tensor_parallel_model, 2, ["attention", "attention"]) == ["sharded", "sharded"]

@@ -346,14 +346,18 @@ def _previous_tokens(
 def test_the_tokens_before_a_contiguous_shard_come_from_the_previous_rank() -> None:
     """Three ranks of four tokens: rank r > 0 gets positions 4r - count .. 4r - 1, rank 0 zeros; the gradient of
     token j of a shard's tail is the weight its next rank gave it (none for the last rank's tail). Under sequence
-    parallelism the previous shard is the previous TP x CP rank's (before, the previous CP rank's: wrong tokens)."""
+    parallelism the previous shard is the previous TP x CP rank's (before, the previous CP rank's: wrong tokens).
+    Five tokens, more than a shard holds, come from the two ranks before, zeros before the sequence's start (before,
+    a ValueError: a recurrent block on short shards could not run)."""
     ranks = run_on_ranks(_previous_tokens, 3, 3, "contiguous")
     assert [before for before, _ in ranks] == [[0.0, 0.0, 0.0], [1.0, 2.0, 3.0], [5.0, 6.0, 7.0]]
     assert [grad for _, grad in ranks] == [[0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0], [0.0, 0.0, 0.0, 0.0]]
     sequence_parallel = run_on_ranks(_previous_tokens, 4, 2, "contiguous", 2)  # cp=2 x tp=2: 16 padded slots
     assert [before for before, _ in sequence_parallel] == [[0.0, 0.0], [2.0, 3.0], [6.0, 7.0], [10.0, 11.0]]
     assert_same_error_on_every_rank(_previous_tokens, 2, 1, "zigzag", match="needs the contiguous layout")
-    assert_same_error_on_every_rank(_previous_tokens, 3, 5, "contiguous", match="5 tokens asked, but a rank holds")
+    longer = run_on_ranks(_previous_tokens, 3, 5, "contiguous")  # more tokens than a shard: from two ranks back
+    assert [before for before, _ in longer] == [[0.0] * 5, [0.0, 0.0, 1.0, 2.0, 3.0], [3.0, 4.0, 5.0, 6.0, 7.0]]
+    assert [grad for _, grad in longer] == [[2.0, 3.0, 4.0, 6.0], [2.0, 3.0, 4.0, 5.0], [0.0, 0.0, 0.0, 0.0]]
 
 
 def _recurrence_across_shards(

@@ -145,18 +145,23 @@ def _contiguous_shard_group(name: str) -> ProcessGroup | None:
 @comm.eager_under_compile
 def cp_previous_tokens(hidden_states: torch.Tensor, count: int = 1) -> torch.Tensor:
     """Return the ``count`` tokens that precede this rank's contiguous shard ``[B, S_local, ...]`` in the sequence:
-    ``[B, count, ...]`` from the end of the previous shard's rank (a CP rank, or under sequence parallelism a TP x CP
-    one; zeros on the first rank, on one shard or without an active step), differentiably. What a token shift or a
-    causal convolution (``count`` = kernel - 1) needs from across the shard boundary; call it in a block that runs on
-    contiguous shards, and mask what lies before a document's start with ``position_ids``, as on one device."""
+    ``[B, count, ...]`` from the shards before it (the previous CP rank's, or under sequence parallelism TP x CP
+    rank's; from several ranks when ``count`` exceeds a shard; zeros before the sequence's start, on one shard or
+    without an active step), differentiably. What a token shift or a causal convolution (``count`` = kernel - 1)
+    needs from across the shard boundary; call it in a block that runs on contiguous shards, and mask what lies before
+    a document's start with ``position_ids``, as on one device."""
     rows, local = hidden_states.shape[0], hidden_states.shape[1]
     shape = (rows, count, *hidden_states.shape[2:])
     group = _contiguous_shard_group("cp_previous_tokens")
     if group is None:
         return hidden_states.new_zeros(shape)
-    if count > local:
-        raise ValueError(f"cp_previous_tokens: {count} tokens asked, but a rank holds only {local} of the sequence")
     rank, size = comm.group_rank(group), comm.group_size(group)
+    if count > local:  # every shard before this one, gathered: what precedes it is their concatenation
+        shards = comm.all_gather_stack(hidden_states, group)  # [ranks, B, S_local, ...]
+        before = shards[:rank].transpose(0, 1).flatten(1, 2)  # [B, rank * S_local, ...]
+        padding = hidden_states.new_zeros((rows, max(count - before.shape[1], 0), *hidden_states.shape[2:]))
+        # a slice of the gather on every rank, empty on the first: every rank takes part in its backward
+        return torch.cat([padding, before[:, max(before.shape[1] - count, 0) :]], dim=1)
     tail = hidden_states[:, local - count :].reshape(rows * count, *hidden_states.shape[2:])
     send = [tail.shape[0] if peer == (rank + 1) % size else 0 for peer in range(size)]
     receive = [tail.shape[0] if peer == (rank - 1) % size else 0 for peer in range(size)]

@@ -34,6 +34,7 @@ from lightning_cp.train.data import ByteTokenizer, HFTokenizer, PackedTextDataMo
 from lightning_cp.train.data.sources import EMBEDDED
 from lightning_cp.train.data.tokenizer import Tokenizer
 from lightning_cp.train.models import LlamaLM
+from lightning_cp.train.models.llama import layer_kinds
 
 
 def build_tokenizer(cfg: DictConfig) -> Tokenizer:
@@ -404,9 +405,14 @@ def check_checkpoint_fits(cfg: DictConfig, path: str, key: str) -> dict[str, Any
     saved = checkpoint.get("hyper_parameters", {})
     if cfg.model.pretrained and "hidden_size" in saved:  # the built-in model's architecture, not a pretrained one's
         raise ConfigError(f"{key}={path} holds the built-in model, but model.pretrained is set: leave it out")
+    model = plain(cfg.model)
+    if "layer_types" in saved:  # None and "attention" for every layer are one architecture
+        spelled = layer_kinds(saved.get("num_layers", model["num_layers"]), saved["layer_types"])
+        if spelled == layer_kinds(model["num_layers"], model["layer_types"]):
+            saved = {**saved, "layer_types": model["layer_types"]}
     differing = [
         f"model.{name} is {saved[name]!r} in the checkpoint but {value!r} in the config"
-        for name, value in plain(cfg.model).items()
+        for name, value in model.items()
         if name in saved and saved[name] != value and name not in RUN_TIME_MODEL_KEYS
     ]
     if differing:

@@ -117,7 +117,8 @@ def gated_scan(values: torch.Tensor, log_decays: torch.Tensor, starts: torch.Ten
     """States ``h_t = a_t * h_{t-1} + x_t`` along dim 1 of ``[B, S, D]`` from a zero state, with ``a_t`` =
     ``exp(log_decays_t)``, or 0 where ``starts`` marks a document's first token. Each chunk of ``chunk`` tokens at
     once (token ``s`` reaches ``t`` with the decays between them, unless a document starts in between; masked before
-    the exponential, so no gradient is NaN), the last state carried from chunk to chunk."""
+    the exponential, so no gradient is NaN), the last state carried from chunk to chunk. Each chunk keeps a
+    ``[B, chunk, chunk, D]`` matrix for the backward: ``chunk`` times the values' memory."""
     outputs, carried = [], values.new_zeros(values[:, 0].shape)
     for first in range(0, values.shape[1], chunk):
         x, log_a = values[:, first : first + chunk], log_decays[:, first : first + chunk]

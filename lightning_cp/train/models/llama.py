@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ class LlamaConfig:
     init_std: float = 0.02
     activation_checkpointing: bool = False
     loss_chunk_tokens: int = 0
-    layer_types: list[str] | None = field(default=None)
+    layer_types: list[str] | None = None
     """One of ``LAYER_TYPES`` per layer (a hybrid stack); None: every layer attention."""
 
 

@@ -47,7 +47,7 @@ class LlamaLM(CausalLMModule):
         if mesh is None or TENSOR_PARALLEL not in (mesh.mesh_dim_names or ()):
             return
         tp_mesh = mesh[TENSOR_PARALLEL]
-        if tp_mesh.size() == 1 or isinstance(self.model.layers[0].attention.q_proj.weight, DTensor):
+        if tp_mesh.size() == 1 or any(isinstance(parameter, DTensor) for parameter in self.model.parameters()):
             return
         sequence_parallel = bool(getattr(self.trainer.strategy, "sequence_parallel", False))
         apply_tensor_parallel(self.model, self.config, tp_mesh, sequence_parallel)
