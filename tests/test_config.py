@@ -72,6 +72,8 @@ def test_defaults_then_file_then_overrides(tmp_path) -> None:
             r"model.layer_types: tensor parallelism has a plan for attention layers only",
         ),
         (["data.val_fraction=1.0"], r"data.val_fraction: got 1.0; expected a number in \[0, 1\)"),
+        (["optim.betas.0=0.8"], r"optim.betas \(from the command line\) is a list: give it whole, e.g. optim.betas="),
+        (["model.layer_types.1=recurrent"], r"model.layer_types \(from the command line\) is a list: give it whole"),
         (["trainer.max_steps"], r"not of the form key=value"),
     ],
 )

@@ -257,6 +257,18 @@ def _check_model(model: DictConfig) -> None:
         raise ConfigError(f"model.{error}") from None
 
 
+def _list_set_by_index(layer: DictConfig, prefix: str = "") -> str | None:
+    """The first key that ``layer`` sets item by item (``key.0=...``, a mapping of indices), or None."""
+    for key, value in layer.items():
+        if isinstance(value, DictConfig):
+            if value and all(str(index).isdigit() for index in value):
+                return f"{prefix}{key}"
+            found = _list_set_by_index(value, f"{prefix}{key}.")
+            if found:
+                return found
+    return None
+
+
 def _schema_node(full_key: str) -> tuple[type | None, str]:
     """Return the dataclass holding ``full_key`` (or None) and the key's last part."""
     node: Any = Config
@@ -437,6 +449,11 @@ def load_config(config_file: str | None = None, overrides: list[str] | tuple[str
             cfg = OmegaConf.merge(cfg, layer)
         except OmegaConfBaseException as error:
             raise _explain(error, origin, layer) from None
+        except TypeError as error:  # omegaconf's answer to `key.0=value` for a list `key`
+            key = _list_set_by_index(layer)
+            if key is None:
+                raise ConfigError(f"{origin}: {error}") from None
+            raise ConfigError(f"{key} (from {origin}) is a list: give it whole, e.g. {key}=[a,b]") from None
     _check_values(cfg)
     if cfg.model.pretrained:
         defaults = OmegaConf.structured(ModelConfig)
