@@ -1,11 +1,17 @@
 """Context parallelism for PyTorch Lightning; importing it registers ``strategy="cp_zigzag"``.
 
-The public API: ``cp_attention``, ``cp_cross_entropy``, ``cp_gather_sequence``, ``cp_previous_tokens`` and
-``cp_previous_state`` for model code, the strategy and its callback for Lightning, ``ContextParallelRuntime`` for any
-other training loop, ``PackedSeqParams`` for packed metadata.
+The public API: ``cp_attention``, ``cp_cross_entropy``, ``cp_gather_sequence``, ``cp_causal_conv1d``,
+``cp_previous_tokens`` and ``cp_previous_state`` for model code, the strategy and its callback for Lightning,
+``ContextParallelRuntime`` for any other training loop, ``PackedSeqParams`` for packed metadata.
 """
 
-from lightning_cp.core.functional import cp_attention, cp_gather_sequence, cp_previous_state, cp_previous_tokens
+from lightning_cp.core.functional import (
+    cp_attention,
+    cp_causal_conv1d,
+    cp_gather_sequence,
+    cp_previous_state,
+    cp_previous_tokens,
+)
 from lightning_cp.core.loss import CPLoss, cp_chunked_cross_entropy, cp_cross_entropy
 from lightning_cp.core.packed import PackedSeqParams
 from lightning_cp.core.runtime import ContextParallelRuntime, LayerPolicy
@@ -22,6 +28,7 @@ __all__ = [
     "LayerPolicy",
     "PackedSeqParams",
     "cp_attention",
+    "cp_causal_conv1d",
     "cp_chunked_cross_entropy",
     "cp_cross_entropy",
     "cp_gather_sequence",

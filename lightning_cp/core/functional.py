@@ -1,6 +1,7 @@
 """What model code calls: ``cp_attention``, exact attention under the active step (or on one device without one);
-``cp_gather_sequence``, a per-token output of the whole replica batch on every rank; ``cp_previous_tokens`` and
-``cp_previous_state``, what a convolution or a recurrence on contiguous shards needs from the shards before."""
+``cp_gather_sequence``, a per-token output of the whole replica batch on every rank; ``cp_causal_conv1d``, a short
+causal convolution per document in any layout; ``cp_previous_tokens`` and ``cp_previous_state``, what a convolution or
+a recurrence on contiguous shards needs from the shards before."""
 
 from __future__ import annotations
 
@@ -204,3 +205,48 @@ def cp_previous_state(final_state: torch.Tensor, decay: torch.Tensor) -> torch.T
     for state, shard_decay in zip(states[:rank], decays[:rank], strict=True):
         entering = state + shard_decay * entering
     return entering.to(final_state.dtype)
+
+
+@comm.eager_under_compile
+def cp_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal convolution of ``x`` ``[B, S_local, D]`` with ``weight`` ``[D, K]`` (oldest tap first:
+    ``nn.Conv1d(D, D, K, groups=D).weight[:, 0]``) and an optional ``bias`` ``[D]``, each document on its own: a token
+    sees the ``K - 1`` tokens before it in its document and zeros before the document's start, as the convolution of
+    that document alone on one device. Under an active step it runs in whatever layout the block runs in (zigzag or
+    contiguous) and takes the tokens before each of the shard's pieces from the ranks holding them: one all-to-all-v
+    of at most ``K - 1`` tokens per piece, planned once per batch. Without a step each row is one document. Under
+    autocast ``x`` and the weights are cast to its dtype first, as a convolution would be."""
+    if weight.dim() != 2 or weight.shape[0] != x.shape[-1] or x.dim() != 3:
+        raise ValueError(
+            f"cp_causal_conv1d: x {tuple(x.shape)} and weight {tuple(weight.shape)}; expected x [B, S, D] and a "
+            "weight [D, K] (a depthwise Conv1d's weight without its middle dimension)"
+        )
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight, bias = x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+    kernel = weight.shape[1]
+    output = x * weight[:, kernel - 1]
+    for back, earlier in enumerate(_tokens_before(x, kernel - 1), start=1):
+        output = output + earlier * weight[:, kernel - 1 - back]
+    return output if bias is None else output + bias
+
+
+def _tokens_before(x: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """For ``back`` = 1 to ``count``: ``x`` ``[B, S_local, D]`` shifted so that each token holds the one ``back``
+    places before it in its document (zeros where there is none); without a step, within each row."""
+    if count == 0:
+        return []
+    step = active_step()
+    if step is None:
+        padded = F.pad(x, (0, 0, count, 0))
+        return [padded[:, count - back : count - back + x.shape[1]] for back in range(1, count + 1)]
+    step.require_stream_at_boundary("cp_causal_conv1d outside the wrapped layers")
+    plan, group = step.token_shift_plan(count, x.device)
+    rows = x.transpose(0, 1)  # [S_local, B, D]: the exchange and the shifts move whole tokens
+    received = rows[:0]
+    if group is not None:
+        sent = rows.index_select(0, plan.send_slots)
+        received = comm.all_to_all_v(sent, plan.receive_counts, plan.send_counts, group)
+    extended = torch.cat([rows, received, rows.new_zeros((1, *rows.shape[1:]))])
+    shifted = extended.index_select(0, plan.sources.flatten()).view(count, *rows.shape)
+    return list(shifted.transpose(1, 2).unbind(0))

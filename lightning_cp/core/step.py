@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -13,9 +14,17 @@ from torch.distributed import ProcessGroup
 from lightning_cp.core.attention.api import MODES, AttentionMode
 from lightning_cp.core.layout.api import ContextParallelLayoutManager, ContextParallelLayoutState
 from lightning_cp.core.mesh import ContextParallelMesh
-from lightning_cp.core.packed import PackedSeqParams, host_copies
+from lightning_cp.core.packed import PackedSeqParams, host_copies, host_offsets
 from lightning_cp.core.sharding import ShardedBatch
-from lightning_cp.core.zigzag import CPLayout, ZigzagGeometry, as_layout, check_offsets, zigzag_padded_lengths
+from lightning_cp.core.shift import TokenShiftPlan, build_token_shift_plan
+from lightning_cp.core.zigzag import (
+    CPLayout,
+    ZigzagGeometry,
+    as_layout,
+    check_offsets,
+    stream_tokens,
+    zigzag_padded_lengths,
+)
 
 
 @dataclass(frozen=True)
@@ -124,6 +133,9 @@ class ContextParallelStep:
     _backward_layer: int | None = None
     _active_before_backward: ContextParallelStep | None = None
     _side_input_cache: dict[tuple[int, CPLayout], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _token_shift_plans: dict[tuple[CPLayout, int, torch.device], tuple[TokenShiftPlan, ProcessGroup | None]] = field(
+        default_factory=dict
+    )
 
     @property
     def cp_size(self) -> int:
@@ -250,6 +262,37 @@ class ContextParallelStep:
         self.recomputing = False
         set_active_step(self._active_before_backward)
         self._active_before_backward = None
+
+    def token_shift_plan(self, count: int, device: torch.device) -> tuple[TokenShiftPlan, ProcessGroup | None]:
+        """Return this rank's plan for reading the ``count`` tokens before each of its tokens in their documents, in
+        the layout running now, and the group to exchange over (None: no rank needs anything from another); built
+        once per batch, layout and count, so every layer, and the backward's recomputation, reuse it."""
+        layout = self.current_layout if self.cp_size > 1 else CPLayout.CONTIGUOUS
+        key = (layout, count, device)
+        if key not in self._token_shift_plans:
+            if layout is CPLayout.ZIGZAG:
+                if self.setting.zigzag_ranks[1] > 1:
+                    raise ValueError(
+                        "a causal convolution in a zigzag block whose shards are split further (sequence parallelism, "
+                        "attention_mode='hybrid'): name the block in contiguous_layers"
+                    )
+                group, tokens = self.cp_group, self.geometry.gathered_tokens(layout)
+            else:
+                group, tokens = self.loss_group, stream_tokens(self._document_lengths(), self.stream_length)
+            ranks, rank = (1, 0) if group is None else (group.size(), group.rank())
+            plan = build_token_shift_plan(tokens, ranks, rank, count)
+            plan = dataclasses.replace(plan, send_slots=plan.send_slots.to(device), sources=plan.sources.to(device))
+            self._token_shift_plans[key] = (plan, group if plan.exchanged_rows else None)
+        return self._token_shift_plans[key]
+
+    def _document_lengths(self) -> tuple[int, ...]:
+        """Return the batch's document lengths (a dense batch: one document per row)."""
+        if self.geometry is not None and self.is_packed:
+            return self.geometry.lengths
+        if self.contiguous_packed_seq_params is not None:
+            offsets = host_offsets(self.contiguous_packed_seq_params.cu_seqlens_q)
+            return tuple(end - start for start, end in zip(offsets, offsets[1:], strict=False))
+        return (self.sequence_length,)
 
     def convert(self, tensor: torch.Tensor, source: CPLayout, target: CPLayout) -> torch.Tensor:
         """Convert a batch-first per-token tensor between layouts with this step's plan."""
