@@ -53,6 +53,22 @@ def pretrained(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def pretrained_hybrid(pretrained: Path, tmp_path_factory) -> Path:
+    """The same tokenizer with a tiny float32 LFM2 (a short-convolution layer, then an attention layer)."""
+    folder = tmp_path_factory.mktemp("pretrained_hybrid")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(pretrained)
+    tokenizer.save_pretrained(folder)
+    config = transformers.Lfm2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, layer_types=["conv", "full_attention"],
+        block_auto_adjust_ff_dim=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Lfm2ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
 def _write(path: Path, records: list[dict]) -> str:
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
     return str(path)
@@ -110,6 +126,22 @@ def test_fine_tuning_a_pretrained_folder(pretrained: Path, tmp_path: Path) -> No
     model.load_state_dict({name.removeprefix("model."): value for name, value in trained.items()})
     # the same weights in another process (maybe another thread count): equal up to float64 summation order
     torch.testing.assert_close(model(reloaded["ids"]).logits, reloaded["logits"], rtol=1e-12, atol=1e-12)
+
+
+def test_fine_tuning_a_pretrained_hybrid_folder(pretrained_hybrid: Path, tmp_path: Path) -> None:
+    """An LFM2 folder (short convolutions and attention) at cp=2 with ring attention writes cp=1's float64 losses on
+    prompt/completion data packed several examples to a row."""
+    common = [
+        f"model.pretrained={pretrained_hybrid}", f"data.sources=[{_write(tmp_path / 'p.jsonl', PROMPTS * 2)}]",
+        f"data.val_sources=[{_write(tmp_path / 'v.jsonl', VAL)}]", "data.tokens_per_sample=32",
+        "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.precision=64-true", "optim.lr=1e-2",
+        f"run.root={tmp_path}",
+    ]  # fmt: skip
+    for name, devices, mode in (("cp1", 1, "allgather"), ("cp2", 2, "ring")):
+        cp = [f"trainer.devices={devices}", f"strategy.context_parallel_size={devices}", f"run.name={name}"]
+        result = run_cli("fit", *common, *cp, f"strategy.attention_mode={mode}")
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_losses(tmp_path / "cp2", tmp_path / "cp1", 3, [0, 3])
 
 
 def test_architecture_keys_next_to_a_pretrained_model_are_an_error(pretrained: Path) -> None:

@@ -41,7 +41,14 @@ FAMILIES = {
     "qwen2": lambda: transformers.Qwen2Config(**SMALL),
     "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=8),
     "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=None),
-}
+    "lfm2": lambda: transformers.Lfm2Config(
+        **SMALL, layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False
+    ),
+    "lfm2_moe": lambda: transformers.Lfm2MoeConfig(
+        **SMALL, layer_types=["full_attention", "conv"], num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
+        num_dense_layers=1, experts_implementation="eager",  # torch's grouped matmul takes no float64
+    ),
+}  # fmt: skip
 
 
 def tiny_model(family: str, attention: str = "sdpa", lora: bool = False) -> transformers.PreTrainedModel:
@@ -195,6 +202,11 @@ RUNS = [
     ("llama", "flattening", 4, {"attention_mode": "ulysses"}, False),
     ("qwen2", "packed", 2, {"data_parallel": "fsdp"}, True),
     ("llama", "packed", 4, {"data_parallel": "fsdp", "context_parallel_size": 2, "attention_mode": "ring"}, False),
+    ("lfm2", "packed", 2, {}, False),
+    ("lfm2", "flattening", 4, {"attention_mode": "ring"}, True),
+    ("lfm2", "dense", 2, {"attention_mode": "ulysses"}, False),
+    ("lfm2", "packed", 1, {}, False),
+    ("lfm2_moe", "packed", 4, {"data_parallel": "fsdp"}, True),
 ]
 
 
@@ -392,6 +404,15 @@ def test_what_cannot_be_exact_is_refused():
         HFCausalLM(tiny_model("llama"))._loss(several)
 
 
+def _qwen3_next() -> transformers.PretrainedConfig:
+    """A hybrid of gated delta-rule (linear attention) and attention layers."""
+    return transformers.Qwen3NextConfig(
+        **SMALL, layer_types=["linear_attention", "full_attention"], head_dim=8, linear_num_value_heads=2,
+        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16, experts_implementation="eager",
+    )  # fmt: skip
+
+
 def _llama4(**fields: Any) -> transformers.PretrainedConfig:
     return transformers.Llama4TextConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, intermediate_size_mlp=48, num_hidden_layers=2,
@@ -437,11 +458,9 @@ INEXACT = {  # a model feature the "lightning_cp" attention cannot reproduce on 
         ),
         r"rope_type=dynamic\) .* past 4 tokens",
     ),
-    "lfm2 convolutions": (
-        lambda: transformers.Lfm2Config(
-            **SMALL, layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False
-        ),
-        "layers of type conv from its row's own token order, which a packed batch breaks",
+    "qwen3_next linear attention": (
+        lambda: _qwen3_next(),
+        "layers of type linear_attention from its row's own token order, which a packed batch breaks",
     ),
 }  # fmt: skip
 
@@ -476,8 +495,7 @@ def _hybrid_model_at_cp2() -> None:
     os.environ["WORLD_SIZE"] = "2"
     batches, _ = make_batches("dense", 1)
     torch.manual_seed(0)
-    config = transformers.Lfm2Config(**SMALL, layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False)
-    module = SGDCausalLM(transformers.AutoModelForCausalLM.from_config(config).double())
+    module = SGDCausalLM(transformers.AutoModelForCausalLM.from_config(_qwen3_next()).double())
     trainer = pl.Trainer(devices=2, strategy=CPZigzagStrategy(), max_steps=1, use_distributed_sampler=False,
                          **TRAINER_OPTIONS)  # fmt: skip
     trainer.fit(module, DataLoader(batches, batch_size=None))
@@ -485,8 +503,8 @@ def _hybrid_model_at_cp2() -> None:
 
 def test_a_hybrid_model_at_cp2_fails_on_every_rank():
     assert_same_error_on_every_rank(
-        _hybrid_model_at_cp2, 2, match="layers of type conv from its row's own token order, which cp=2 breaks",
-        error_type="ValueError", init_process_group=False,
+        _hybrid_model_at_cp2, 2, error_type="ValueError", init_process_group=False,
+        match="layers of type linear_attention from its row's own token order, which cp=2 breaks",
     )  # fmt: skip
 
 
@@ -494,8 +512,7 @@ def test_what_hybrid_and_alibi_models_can_do_is_kept_and_the_rest_refused():
     """A hybrid model still trains one document per row at cp=1 (as the unmodified model does); ALiBi is refused at
     construction, and a soft-capped or scaled head with a chunked loss by its config, however small the logits."""
     torch.manual_seed(0)
-    config = transformers.Lfm2Config(**SMALL, layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False)
-    hybrid = transformers.AutoModelForCausalLM.from_config(config).double()
+    hybrid = transformers.AutoModelForCausalLM.from_config(_qwen3_next()).double()
     document = make_batches("packed", 1)[1][0][0]
     reference = F.cross_entropy(hybrid(torch.tensor([document])).logits[0, :-1], torch.tensor(document[1:]))
     loss, _ = HFCausalLM(hybrid)._loss({"input_ids": torch.tensor([document])})
@@ -558,11 +575,13 @@ def test_a_model_loaded_from_a_folder_trains_in_train_mode(tmp_path):
         with_dropout._loss(dict(make_batches("packed", 1)[0][0]))
 
 
-def test_outside_a_step_the_model_computes_what_hugging_face_sdpa_computes():
+@pytest.mark.parametrize("family", ["llama", "lfm2"])
+def test_outside_a_step_the_model_computes_what_hugging_face_sdpa_computes(family):
     """After training (no CP step active) the wrapped model is the unmodified one: cached generation, a left-padded
-    batch and a plain forward equal the same weights under HF's own ``sdpa``."""
-    reference = tiny_model("llama").eval()
-    wrapped = HFCausalLM(tiny_model("llama")).model.eval()
+    batch and a plain forward equal the same weights under HF's own ``sdpa`` (LFM2: its convolutions' own forward,
+    with their cached state)."""
+    reference = tiny_model(family).eval()
+    wrapped = HFCausalLM(tiny_model(family)).model.eval()
     ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0

@@ -18,7 +18,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from typing_extensions import override
 
 from lightning_cp.core import comm
-from lightning_cp.core.functional import cp_attention
+from lightning_cp.core.functional import cp_attention, cp_causal_conv1d
 from lightning_cp.core.loss import CPLoss, cp_chunked_cross_entropy
 from lightning_cp.core.step import activated, active_step
 from lightning_cp.lightning.module import CausalLMModule
@@ -132,13 +132,56 @@ _TOKEN_WISE_LAYER_TYPES = frozenset(
 """Layer types of Hugging Face configs whose token mixing is attention alone (or none)."""
 
 
-def _row_order_problems(config: Any) -> list[str]:
+_SHORT_CONVOLUTIONS = frozenset({"Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv"})
+"""Hugging Face's short-convolution mixers (the LFM2 family's ``conv`` layers): an input projection to ``B, C, x``, a
+depthwise causal convolution of ``B * x``, ``C`` times that, an output projection."""
+
+
+class _ShortConvolutionUnderCP:
+    """The forward of a short-convolution mixer: under a step, its convolution per document across the shards
+    (``cp_causal_conv1d``); outside one, the model's own (generation, its cache and masks)."""
+
+    def __init__(self, mixer: torch.nn.Module) -> None:
+        self.mixer = mixer
+
+    def __call__(
+        self, hidden_states: torch.Tensor, *args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any
+    ) -> torch.Tensor:
+        """Mix ``hidden_states`` ``[B, S_local, hidden]`` along the sequence."""
+        mixer = self.mixer
+        if active_step() is None:
+            return type(mixer).forward(mixer, hidden_states, *args, attention_mask=attention_mask, **kwargs)
+        if attention_mask is not None:
+            raise ValueError("attention_mask masks tokens out (padding); pack documents into one row instead")
+        gate_in, gate_out, values = mixer.in_proj(hidden_states).chunk(3, dim=-1)
+        convolution = mixer.conv
+        mixed = cp_causal_conv1d(gate_in * values, convolution.weight.squeeze(1), convolution.bias)
+        return mixer.out_proj(gate_out * mixed)
+
+
+def _use_cp_short_convolutions(model: torch.nn.Module) -> None:
+    """Give every short-convolution mixer of ``model`` the forward that is exact under a step (weights unchanged)."""
+    for module in model.modules():
+        if comm.original_class_name(module) in _SHORT_CONVOLUTIONS:
+            module.forward = _ShortConvolutionUnderCP(module)
+
+
+def _exact_layer_types(model: torch.nn.Module) -> frozenset[str]:
+    """Layer types whose token mixing is exact under a step in ``model``: attention, and ``conv`` when every
+    short-convolution mixer runs ``cp_causal_conv1d``."""
+    mixers = [module for module in model.modules() if comm.original_class_name(module) in _SHORT_CONVOLUTIONS]
+    converted = bool(mixers) and all(isinstance(mixer.forward, _ShortConvolutionUnderCP) for mixer in mixers)
+    return _TOKEN_WISE_LAYER_TYPES | {"conv"} if converted else _TOKEN_WISE_LAYER_TYPES
+
+
+def _row_order_problems(model: torch.nn.Module) -> list[str]:
     """What a model computes from its row's own token order, so wrongly once a step spreads a document over ranks
-    or packs several into a row: layers that mix tokens without attention (convolutions, state-space and linear
-    attention layers of hybrid models) and Llama 4's attention temperature on its NoPE layers (from row positions)."""
-    text = config.get_text_config()
+    or packs several into a row: layers that mix tokens without attention (state-space and linear attention layers of
+    hybrid models, convolutions other than the LFM2 family's) and Llama 4's attention temperature on its NoPE layers
+    (from row positions)."""
+    text = model.config.get_text_config()
     layer_types = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None) or ()
-    others = sorted({str(kind) for kind in layer_types} - _TOKEN_WISE_LAYER_TYPES)
+    others = sorted({str(kind) for kind in layer_types} - _exact_layer_types(model))
     problems = [f"layers of type {', '.join(others)}"] if others else []
     if getattr(text, "attn_temperature_tuning", False) and 0 in (getattr(text, "no_rope_layers", None) or ()):
         problems.append("attn_temperature_tuning on NoPE layers")
@@ -208,6 +251,7 @@ class HFCausalLM(CausalLMModule):
         else:
             model = model_or_path
             model.set_attn_implementation(ATTENTION_NAME)
+        _use_cp_short_convolutions(model)
         if getattr(model.config.get_text_config(), "alibi", False):
             raise ValueError(
                 f"{type(model).__name__} uses ALiBi position biases, which the '{ATTENTION_NAME}' attention cannot add"
@@ -262,7 +306,7 @@ class HFCausalLM(CausalLMModule):
                 f"{where} would be rescaled otherwise than alone on one device: keep documents within {rope[1]} "
                 "tokens, or train at cp=1 on one document per row"
             )
-        problems = _row_order_problems(self.model.config)
+        problems = _row_order_problems(self.model)
         if problems:
             raise ValueError(
                 f"{type(self.model).__name__} computes {' and '.join(problems)} from its row's own token order, which "
