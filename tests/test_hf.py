@@ -48,6 +48,9 @@ FAMILIES = {
         **SMALL, layer_types=["full_attention", "conv"], num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
         num_dense_layers=1, experts_implementation="eager",  # torch's grouped matmul takes no float64
     ),
+    "lfm3": lambda: transformers.Lfm3Config(
+        **SMALL, layer_types=["conv", "full_attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2
+    ),
 }  # fmt: skip
 
 
@@ -207,6 +210,7 @@ RUNS = [
     ("lfm2", "dense", 2, {"attention_mode": "ulysses"}, False),
     ("lfm2", "packed", 1, {}, False),
     ("lfm2_moe", "packed", 4, {"data_parallel": "fsdp"}, True),
+    ("lfm3", "packed", 2, {"attention_mode": "ring"}, False),
 ]
 
 

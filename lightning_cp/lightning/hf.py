@@ -220,7 +220,8 @@ class HFCausalLM(CausalLMModule):
         **from_pretrained: keyword arguments of ``from_pretrained``; ``dtype`` defaults to float32 (the weights
             train in it; ``bf16-mixed`` computes in bf16), not the checkpoint's own dtype.
 
-    The model is switched to the ``"lightning_cp"`` attention, and to training mode when it comes wholly in
+    The model is switched to the ``"lightning_cp"`` attention (and its LFM2-family short convolutions to
+    ``cp_causal_conv1d`` under a step), and to training mode when it comes wholly in
     evaluation mode (as ``from_pretrained`` returns it; Lightning would keep it so); labels are never passed to it
     (the batch's are already shifted per document), the loss is ``cp_cross_entropy`` on its logits (with
     ``loss_chunk_tokens``, ``cp_chunked_cross_entropy`` on the decoder's hidden states).
