@@ -10,8 +10,9 @@ What changes against a plain single-device module:
   first argument; per-token side inputs they need (``position_ids`` for RoPE) go in as keyword arguments, so the
   callback converts them along.
 - a recurrent block (``RecurrentBlock``, run on contiguous shards by the default policy) takes what precedes its
-  shard from the ranks before: the last tokens for its convolution (``cp_previous_tokens``), the state entering the
-  shard for its scan (``cp_previous_state``); here the built-in model's mixer, ``GatedRecurrence``, does both.
+  shard from the ranks before: the tokens before each token of a document for its convolution
+  (``cp_causal_conv1d``), the state entering the shard for its scan (``cp_previous_state``); here the built-in
+  model's mixer, ``GatedRecurrence``, does both.
 The strategy's callback hands ``training_step`` this rank's shard: ``input_ids``, ``labels`` (shifted per document),
 ``position_ids`` and ``loss_token_count``. The dataloader yields whole packed batches: ``input_ids`` ``[1, T]`` and
 int32 ``cu_seqlens`` (here from ``PackedTextDataModule``; any loader yielding that dict works).
@@ -51,8 +52,8 @@ class TransformerBlock(nn.Module):
 class RecurrentBlock(nn.Module):
     """Pre-norm recurrent mixer and MLP, run on contiguous shards (the default policy matches ``*RecurrentBlock``).
 
-    The mixer is the built-in model's ``GatedRecurrence``: a short causal convolution that takes the tokens before
-    this rank's shard from ``cp_previous_tokens``, and a gated linear recurrence scanned from a zero state that adds
+    The mixer is the built-in model's ``GatedRecurrence``: a short causal convolution per document across the
+    shards (``cp_causal_conv1d``), and a gated linear recurrence scanned from a zero state that adds
     the state entering the shard (``cp_previous_state``) times its cumulative decay; both restart at each document's
     start (``position_ids == 0``), so the block computes what it computes on one device.
     """

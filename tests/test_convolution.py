@@ -32,11 +32,16 @@ def _per_document_convolution(
 
 
 def _convolution_error(
-    boundary: str, lengths: tuple[int, ...] | None, kernel: int, rows: int = 1, tensor_parallel: int = 1
+    boundary: str,
+    lengths: tuple[int, ...] | None,
+    kernel: int,
+    rows: int = 1,
+    tensor_parallel: int = 1,
+    drop_last: bool = False,
 ) -> list[float]:
     """This rank's largest differences to one process: outputs, input gradients, and (summed over the ranks) weight
     and bias gradients, for packed documents of ``lengths`` (None: ``rows`` dense rows of 22 tokens) in the
-    ``boundary`` layout."""
+    ``boundary`` layout; ``drop_last``: the shard given without its last token."""
     world = dist.get_world_size()
     dims = ParallelDims(1, world // tensor_parallel, tensor_parallel)
     mesh = build_context_parallel_mesh("cpu", dims)
@@ -59,7 +64,7 @@ def _convolution_error(
         positions = batch["input_ids"][0] - 1  # -1: a padding slot
         real = (positions >= 0).view(1, -1, 1)
         taken = positions.clamp(min=0)
-        shard = torch.where(real, x[:, taken], 0).requires_grad_()
+        shard = torch.where(real, x[:, taken], 0)[:, : -1 if drop_last else None].requires_grad_()
         shard_weight, shard_bias = weight.clone().requires_grad_(), bias.clone().requires_grad_()
         output = cp_causal_conv1d(shard, shard_weight, shard_bias)
         (output * loss_weights[:, taken] * real).sum().backward()
@@ -98,14 +103,19 @@ def test_a_causal_convolution_matches_each_document_alone(
         assert max(errors) <= 1e-12, errors
 
 
-def test_a_causal_convolution_under_sequence_parallelism() -> None:
+def test_a_causal_convolution_under_sequence_parallelism_and_its_refusals() -> None:
     """Contiguous shards over TP x CP ranks (cp 2 x tp 2) read the tokens before them from the previous TP x CP rank;
-    in a zigzag block the shards are split further, which the convolution refuses on every rank."""
+    in a zigzag block the shards are split further, which the convolution refuses on every rank, as it refuses a
+    shard that is not this batch's (documents padded to multiples of 4: 40 slots per rank, given 39)."""
     for errors in run_on_ranks(_convolution_error, 4, "contiguous", MIXED_DOCUMENTS, 4, 1, 2):
         assert max(errors) <= 1e-12, errors
     assert_same_error_on_every_rank(
         _convolution_error, 4, "zigzag", MIXED_DOCUMENTS, 4, 1, 2, match="name the block in contiguous_layers"
     )
+    assert_same_error_on_every_rank(
+        _convolution_error, 2, "zigzag", MIXED_DOCUMENTS, 4, drop_last=True,
+        match="a shard of 39 tokens in a zigzag block does not fit this batch's sharding",
+    )  # fmt: skip
 
 
 def test_without_a_step_each_row_is_one_document() -> None:

@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from lightning_cp.core.sharding import shard_replica_batch
@@ -16,7 +15,7 @@ from lightning_cp.core.step import ContextParallelStep, activated, contiguous_pa
 from lightning_cp.lightning.module import warmup_cosine
 from lightning_cp.train.data import collate_packed, pack_documents
 from lightning_cp.train.models import LlamaConfig, LlamaDecoder, LlamaLM
-from lightning_cp.train.models.layers import apply_rotary, causal_convolution, gated_scan, rotary_cos_sin
+from lightning_cp.train.models.layers import apply_rotary, gated_scan, rotary_cos_sin
 from tests.distributed_harness import run_on_ranks
 from tests.model_helpers import linear_scan
 
@@ -113,29 +112,6 @@ def test_the_chunked_scan_keeps_finite_gradients_for_extreme_decays() -> None:
     states = gated_scan(values, log_decays, starts, chunk=16)
     states.sum().backward()
     assert all(bool(tensor.isfinite().all()) for tensor in (states, values.grad, log_decays.grad))
-
-
-def _depthwise(sequence: torch.Tensor, taps: torch.Tensor, before: torch.Tensor | None = None) -> torch.Tensor:
-    """``conv1d`` of ``[1, S, C]`` with ``taps`` ``[K, C]`` (newest first) after ``before`` ``[1, K - 1, C]`` (zeros
-    when None), as ``[1, S, C]``."""
-    kernel, channels = taps.shape
-    before = sequence.new_zeros(1, kernel - 1, channels) if before is None else before
-    weight = taps.flip(0).T.unsqueeze(1)  # [channels, 1, kernel], oldest tap first
-    return F.conv1d(torch.cat([before, sequence], 1).transpose(1, 2), weight, groups=channels).transpose(1, 2)
-
-
-def test_the_causal_convolution_restarts_at_each_document() -> None:
-    """Against a depthwise ``conv1d`` of each document alone (zeros before it); with no document starting in the
-    sequence, against one ``conv1d`` of the whole sequence after the tokens given as coming before it."""
-    generator = torch.Generator().manual_seed(2)
-    values, _, positions, _ = _documents(generator)
-    taps = torch.randn(4, 3, generator=generator, dtype=torch.float64)
-    before = torch.randn(1, 3, 3, generator=generator, dtype=torch.float64)
-    alone = torch.cat([_depthwise(document, taps) for document in values.split(DOCUMENT_LENGTHS, 1)], 1)
-    assert (causal_convolution(values, before, taps, positions) - alone).abs().max() <= 1e-12
-    continuing = torch.arange(3, 3 + values.shape[1]).unsqueeze(0)  # one document, begun 3 tokens earlier
-    whole = _depthwise(values, taps, before)
-    assert (causal_convolution(values, before, taps, continuing) - whole).abs().max() <= 1e-12
 
 
 def test_grouped_query_attention_matches_repeated_key_value_heads() -> None:

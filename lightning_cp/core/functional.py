@@ -241,7 +241,7 @@ def _tokens_before(x: torch.Tensor, count: int) -> list[torch.Tensor]:
         padded = F.pad(x, (0, 0, count, 0))
         return [padded[:, count - back : count - back + x.shape[1]] for back in range(1, count + 1)]
     step.require_stream_at_boundary("cp_causal_conv1d outside the wrapped layers")
-    plan, group = step.token_shift_plan(count, x.device)
+    plan, group = step.token_shift_plan(count, x.shape[1], x.device)
     rows = x.transpose(0, 1)  # [S_local, B, D]: the exchange and the shifts move whole tokens
     received = rows[:0]
     if group is not None:

@@ -19,6 +19,7 @@ from lightning_cp.core.sharding import ShardedBatch
 from lightning_cp.core.shift import TokenShiftPlan, build_token_shift_plan
 from lightning_cp.core.zigzag import (
     CPLayout,
+    RankTokens,
     ZigzagGeometry,
     as_layout,
     check_offsets,
@@ -133,8 +134,8 @@ class ContextParallelStep:
     _backward_layer: int | None = None
     _active_before_backward: ContextParallelStep | None = None
     _side_input_cache: dict[tuple[int, CPLayout], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    _token_shift_plans: dict[tuple[CPLayout, int, torch.device], tuple[TokenShiftPlan, ProcessGroup | None]] = field(
-        default_factory=dict
+    _token_shift_plans: dict[tuple[CPLayout, int, int, torch.device], tuple[TokenShiftPlan, ProcessGroup | None]] = (
+        field(default_factory=dict)
     )
 
     @property
@@ -263,27 +264,43 @@ class ContextParallelStep:
         set_active_step(self._active_before_backward)
         self._active_before_backward = None
 
-    def token_shift_plan(self, count: int, device: torch.device) -> tuple[TokenShiftPlan, ProcessGroup | None]:
-        """Return this rank's plan for reading the ``count`` tokens before each of its tokens in their documents, in
-        the layout running now, and the group to exchange over (None: no rank needs anything from another); built
-        once per batch, layout and count, so every layer, and the backward's recomputation, reuse it."""
+    def token_shift_plan(
+        self, count: int, local_tokens: int, device: torch.device
+    ) -> tuple[TokenShiftPlan, ProcessGroup | None]:
+        """Return this rank's plan for reading the ``count`` tokens before each of its ``local_tokens`` tokens in their
+        documents, in the layout running now, and the group to exchange over (None: no rank needs anything from
+        another); built once per batch, layout and count, so every layer, and the backward's recomputation, reuse it."""
         layout = self.current_layout if self.cp_size > 1 else CPLayout.CONTIGUOUS
-        key = (layout, count, device)
+        key = (layout, count, local_tokens, device)
         if key not in self._token_shift_plans:
-            if layout is CPLayout.ZIGZAG:
-                if self.setting.zigzag_ranks[1] > 1:
-                    raise ValueError(
-                        "a causal convolution in a zigzag block whose shards are split further (sequence parallelism, "
-                        "attention_mode='hybrid'): name the block in contiguous_layers"
-                    )
-                group, tokens = self.cp_group, self.geometry.gathered_tokens(layout)
-            else:
-                group, tokens = self.loss_group, stream_tokens(self._document_lengths(), self.stream_length)
+            group, tokens = self._shards_of(layout, local_tokens)
             ranks, rank = (1, 0) if group is None else (group.size(), group.rank())
             plan = build_token_shift_plan(tokens, ranks, rank, count)
             plan = dataclasses.replace(plan, send_slots=plan.send_slots.to(device), sources=plan.sources.to(device))
             self._token_shift_plans[key] = (plan, group if plan.exchanged_rows else None)
         return self._token_shift_plans[key]
+
+    def _shards_of(self, layout: CPLayout, local_tokens: int) -> tuple[ProcessGroup | None, RankTokens]:
+        """Return the group whose ranks hold the stream's shards in ``layout`` and every rank's shard described, in
+        group-rank order; refuse a shard of another length than the batch puts on each rank."""
+        if layout is CPLayout.ZIGZAG:
+            if self.setting.zigzag_ranks[1] > 1:
+                raise ValueError(
+                    "a causal convolution in a zigzag block whose shards are split further (sequence parallelism, "
+                    "attention_mode='hybrid'): name the block in contiguous_layers"
+                )
+            group, tokens = self.cp_group, self.geometry.gathered_tokens(layout)
+            fits = tokens.doc.numel() == group.size() * local_tokens
+        else:
+            group, lengths = self.loss_group, self._document_lengths()
+            ranks = 1 if group is None else group.size()
+            fits = sum(lengths) <= ranks * local_tokens
+            tokens = stream_tokens(lengths, ranks * local_tokens) if fits else None
+        if not fits:
+            raise ValueError(
+                f"a shard of {local_tokens} tokens in a {layout.value} block does not fit this batch's sharding"
+            )
+        return group, tokens
 
     def _document_lengths(self) -> tuple[int, ...]:
         """Return the batch's document lengths (a dense batch: one document per row)."""

@@ -1,5 +1,5 @@
 """Llama building blocks: rotary embeddings from position ids, GQA attention through ``cp_attention``, SwiGLU, and a
-recurrent block (short convolution and gated linear recurrence) for hybrid stacks."""
+recurrent block (short convolution through ``cp_causal_conv1d`` and gated linear recurrence) for hybrid stacks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_cp.core.functional import cp_attention, cp_previous_state, cp_previous_tokens
+from lightning_cp.core.functional import cp_attention, cp_causal_conv1d, cp_previous_state
 
 
 def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple:
@@ -98,21 +98,6 @@ class DecoderBlock(nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
-def causal_convolution(
-    x: torch.Tensor, previous: torch.Tensor, taps: torch.Tensor, position_ids: torch.Tensor
-) -> torch.Tensor:
-    """Depthwise causal convolution of ``x`` ``[B, S, D]`` with ``taps`` ``[K, D]`` (newest first), restarting at each
-    document's start: tap ``k`` reads the token ``k`` places back when its position is at least ``k``; ``previous``
-    ``[B, K - 1, D]`` are the tokens before ``x`` (from the previous rank: ``cp_previous_tokens``)."""
-    kernel, length = taps.shape[0], x.shape[1]
-    padded = torch.cat([previous, x], dim=1)
-    windows = [
-        taps[k] * padded[:, kernel - 1 - k : kernel - 1 - k + length] * (position_ids >= k).unsqueeze(-1)
-        for k in range(kernel)
-    ]
-    return torch.stack(windows).sum(0)
-
-
 def gated_scan(values: torch.Tensor, log_decays: torch.Tensor, starts: torch.Tensor, chunk: int = 64) -> torch.Tensor:
     """States ``h_t = a_t * h_{t-1} + x_t`` along dim 1 of ``[B, S, D]`` from a zero state, with ``a_t`` =
     ``exp(log_decays_t)``, or 0 where ``starts`` marks a document's first token. Each chunk of ``chunk`` tokens at
@@ -137,9 +122,9 @@ def gated_scan(values: torch.Tensor, log_decays: torch.Tensor, starts: torch.Ten
 
 class GatedRecurrence(nn.Module):
     """A diagonal linear recurrence over a short causal convolution, gated on the way out (a small state-space mixer
-    of hybrid models). On contiguous CP shards it is exact: the convolution takes the tokens before the shard from
-    ``cp_previous_tokens``, the scan runs from a zero state and adds the state entering the shard
-    (``cp_previous_state``) times its cumulative decay; both restart at each document's start."""
+    of hybrid models). On contiguous CP shards it is exact: the convolution is ``cp_causal_conv1d`` (per document,
+    the tokens before the shard from the ranks before), the scan runs from a zero state and adds the state entering
+    the shard (``cp_previous_state``) times its cumulative decay; both restart at each document's start."""
 
     def __init__(self, hidden_size: int, kernel: int = 4) -> None:
         super().__init__()
@@ -154,7 +139,7 @@ class GatedRecurrence(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Mix ``x`` ``[B, S_local, hidden]`` along the sequence (this rank's contiguous shard)."""
         values = self.value_proj(x)
-        values = causal_convolution(values, cp_previous_tokens(values, self.taps.shape[0] - 1), self.taps, position_ids)
+        values = cp_causal_conv1d(values, self.taps.flip(0).T)  # taps newest first; the weight oldest first
         log_decays, starts = F.logsigmoid(self.decay_proj(x)), position_ids == 0
         states = gated_scan(values, log_decays, starts)
         no_start_yet = (torch.cumsum(starts.long(), 1) == 0).unsqueeze(-1)
