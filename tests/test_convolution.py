@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from lightning_cp import ContextParallelRuntime, ContextParallelSetting, cp_causal_conv1d
 from lightning_cp.core.mesh import ParallelDims, build_context_parallel_mesh
 from lightning_cp.core.shift import build_token_shift_plan
-from lightning_cp.core.zigzag import ZigzagGeometry
+from lightning_cp.core.zigzag import RankTokens, ZigzagGeometry, stream_tokens
 from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
 
 CHANNELS = 3
@@ -131,12 +131,64 @@ def test_without_a_step_each_row_is_one_document() -> None:
 
 
 def test_the_shift_plan_moves_only_what_a_piece_needs() -> None:
-    """cp 2, one document of 8 tokens in zigzag pieces of 2 (rank 0: 0 1 | 6 7, rank 1: 2 3 | 4 5) and a kernel of 2:
-    rank 0 needs token 5 from rank 1, rank 1 needs token 1 from rank 0; one row each way, and the rest is local."""
+    """cp 2, one document of 8 tokens in zigzag pieces of 2 (rank 0: 0 1 | 6 7, rank 1: 2 3 | 4 5, one piece) and a
+    kernel of 2: rank 0 needs token 5 from rank 1, rank 1 needs token 1 from rank 0; one row each way, the rest is
+    local. Rows index cat([4 local rows, 1 received, the zero row])."""
     tokens = ZigzagGeometry.packed(2, (8,)).gathered_tokens("zigzag")
     first, second = (build_token_shift_plan(tokens, 2, rank, 1) for rank in (0, 1))
     assert first.send_counts == (0, 1) and first.receive_counts == (0, 1) and first.exchanged_rows == 2
     assert first.send_slots.tolist() == [1] and second.send_slots.tolist() == [3]  # token 1; token 5
-    zero, received = 5, 4  # rows of cat([4 local rows, 1 received, the zero row])
-    assert first.sources.tolist() == [[zero, 0, received, 2]]  # before 0: none; before 6: token 5; before 7: 6
-    assert second.sources.tolist() == [[received, 0, 1, 2]]  # before 2: token 1, then 2, 3, 4
+    zero, received = 5, 4
+    assert first.window_rows.tolist() == [zero, 0, 1, received, 2, 3]  # nothing before 0 1; token 5 before 6 7
+    assert first.output_positions.tolist() == [0, 1, 3, 4]
+    assert second.window_rows.tolist() == [received, 0, 1, 2, 3]  # token 1 before 2 3 4 5
+    assert second.output_positions.tolist() == [0, 1, 2, 3]
+
+
+def _simulated_ranks(tokens: RankTokens, ranks: int, kernel: int, values: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's convolution output (channel 0) from its plan, the exchange replayed in one process: rank ``r``
+    receives, from each rank in order, that rank's ``send_slots`` meant for ``r``."""
+    local = tokens.doc.numel() // ranks
+    plans = [build_token_shift_plan(tokens, ranks, rank, kernel - 1) for rank in range(ranks)]
+    shards = values.view(ranks, local)
+    outgoing = [
+        dict(enumerate(shard[plan.send_slots].split(plan.send_counts)))
+        for shard, plan in zip(shards, plans, strict=True)
+    ]
+    weight = torch.arange(1.0, kernel + 1, dtype=torch.float64).view(1, 1, kernel)
+    outputs = []
+    for rank, (shard, plan) in enumerate(zip(shards, plans, strict=True)):
+        received = torch.cat([outgoing[peer][rank] for peer in range(ranks)])
+        assert received.numel() == sum(plan.receive_counts)
+        extended = torch.cat([shard, received, shard.new_zeros(1)])
+        windows = extended[plan.window_rows].view(1, 1, -1)
+        outputs.append(F.conv1d(windows, weight)[0, 0, plan.output_positions])
+    return outputs
+
+
+def test_simulated_plans_convolve_every_document_alone() -> None:
+    """200 random batches (documents of 1 to 40 tokens, dense rows, cp 1 to 5, kernels 2 to 12, zigzag and contiguous
+    shards with padding), every rank's plan replayed in one process: each real token's output is its document's
+    convolution alone (exact: small integers), and the ranks' sends match what the others expect."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        ranks, kernel = (int(torch.randint(low, high, (1,), generator=generator)) for low, high in ((1, 6), (2, 13)))
+        dense = bool(torch.randint(0, 5, (1,), generator=generator) == 0)
+        count = int(torch.randint(1, 8, (1,), generator=generator))
+        lengths = [int(n) for n in torch.randint(1, 41, (1 if dense else count,), generator=generator)]
+        if bool(torch.randint(0, 2, (1,), generator=generator)):
+            tokens = ZigzagGeometry.packed(ranks, lengths).gathered_tokens("zigzag")
+        else:
+            tokens = stream_tokens(lengths, -(-sum(lengths) // ranks) * ranks)
+        real = tokens.doc >= 0
+        offsets = torch.tensor([0, *lengths]).cumsum(0)
+        values = torch.where(real, (offsets[tokens.doc.clamp(min=0)] + tokens.pos + 1).double(), 99.0)
+        whole = torch.arange(1.0, sum(lengths) + 1, dtype=torch.float64)
+        weight = torch.arange(1.0, kernel + 1, dtype=torch.float64).view(1, 1, kernel)
+        alone = torch.cat([
+            F.conv1d(document.view(1, 1, -1), weight, padding=kernel - 1)[0, 0, : document.numel()]
+            for document in whole.split(lengths)
+        ])  # fmt: skip
+        got = torch.cat(_simulated_ranks(tokens, ranks, kernel, values))
+        expected = alone[(offsets[tokens.doc.clamp(min=0)] + tokens.pos)[real]]
+        assert torch.equal(got[real], expected), (ranks, kernel, lengths)

@@ -595,3 +595,24 @@ def test_outside_a_step_the_model_computes_what_hugging_face_sdpa_computes(famil
             got = wrapped.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, **options)
             assert torch.equal(got, expected)
         assert torch.allclose(wrapped(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits)
+
+
+def test_a_short_convolution_keeps_a_forward_its_instance_had_outside_a_step():
+    """A forward installed on the mixer instance before (as accelerate's device hooks are) still runs outside a step,
+    also when the model is wrapped twice; under a step the convolution is the library's."""
+    model = tiny_model("lfm2")
+    mixer = next(module for module in model.modules() if type(module).__name__ == "Lfm2ShortConv")
+    calls = []
+
+    def hooked(*args, **kwargs):
+        calls.append(1)
+        return type(mixer).forward(mixer, *args, **kwargs)
+
+    mixer.forward = hooked
+    HFCausalLM(HFCausalLM(model).model)
+    ids = torch.randint(0, VOCAB, (1, 6))
+    with torch.no_grad():
+        model(ids)
+    assert len(calls) == 1
+    HFCausalLM(model)._loss(dict(make_batches("packed", 1)[0][0]))
+    assert len(calls) == 1

@@ -213,40 +213,36 @@ def cp_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     ``nn.Conv1d(D, D, K, groups=D).weight[:, 0]``) and an optional ``bias`` ``[D]``, each document on its own: a token
     sees the ``K - 1`` tokens before it in its document and zeros before the document's start, as the convolution of
     that document alone on one device. Under an active step it runs in whatever layout the block runs in (zigzag or
-    contiguous) and takes the tokens before each of the shard's pieces from the ranks holding them: one all-to-all-v
-    of at most ``K - 1`` tokens per piece, planned once per batch. Without a step each row is one document. Under
-    autocast ``x`` and the weights are cast to its dtype first, as a convolution would be."""
+    contiguous): every piece of a document on this rank gets the ``K - 1`` tokens before it in front of it, from the
+    ranks holding them (one all-to-all-v of at most ``K - 1`` tokens per piece, planned once per batch), and one
+    ``F.conv1d`` runs over all pieces. Without a step each row is one document. It computes in the weight's dtype (or
+    autocast's) and returns ``x``'s, as Hugging Face's convolutions do."""
     if weight.dim() != 2 or weight.shape[0] != x.shape[-1] or x.dim() != 3:
         raise ValueError(
             f"cp_causal_conv1d: x {tuple(x.shape)} and weight {tuple(weight.shape)}; expected x [B, S, D] and a "
             "weight [D, K] (a depthwise Conv1d's weight without its middle dimension)"
         )
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
-        x, weight, bias = x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
-    kernel = weight.shape[1]
-    output = x * weight[:, kernel - 1]
-    for back, earlier in enumerate(_tokens_before(x, kernel - 1), start=1):
-        output = output + earlier * weight[:, kernel - 1 - back]
-    return output if bias is None else output + bias
+    count = weight.shape[1] - 1
+    windows, output_positions = _convolution_windows(x.to(weight.dtype), count)
+    output = F.conv1d(windows, weight.unsqueeze(1), bias, groups=weight.shape[0])
+    if output_positions is not None:
+        output = output.index_select(2, output_positions)
+    return output.transpose(1, 2).to(x.dtype)
 
 
-def _tokens_before(x: torch.Tensor, count: int) -> list[torch.Tensor]:
-    """For ``back`` = 1 to ``count``: ``x`` ``[B, S_local, D]`` shifted so that each token holds the one ``back``
-    places before it in its document (zeros where there is none); without a step, within each row."""
-    if count == 0:
-        return []
+def _convolution_windows(x: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[B, D, S']``: every piece of a document in ``x`` ``[B, S_local, D]`` preceded by the ``count`` tokens before
+    it (zeros before a document's start), and where each token's output lies in a convolution of it without padding
+    (None: in order). Without a step, each row preceded by zeros."""
     step = active_step()
-    if step is None:
-        padded = F.pad(x, (0, 0, count, 0))
-        return [padded[:, count - back : count - back + x.shape[1]] for back in range(1, count + 1)]
+    if step is None or count == 0:
+        return F.pad(x.transpose(1, 2), (count, 0)), None
     step.require_stream_at_boundary("cp_causal_conv1d outside the wrapped layers")
     plan, group = step.token_shift_plan(count, x.shape[1], x.device)
-    rows = x.transpose(0, 1)  # [S_local, B, D]: the exchange and the shifts move whole tokens
+    rows = x.transpose(0, 1)  # [S_local, B, D]: the exchange and the windows move whole tokens
     received = rows[:0]
     if group is not None:
         sent = rows.index_select(0, plan.send_slots)
         received = comm.all_to_all_v(sent, plan.receive_counts, plan.send_counts, group)
     extended = torch.cat([rows, received, rows.new_zeros((1, *rows.shape[1:]))])
-    shifted = extended.index_select(0, plan.sources.flatten()).view(count, *rows.shape)
-    return list(shifted.transpose(1, 2).unbind(0))
+    return extended.index_select(0, plan.window_rows).permute(1, 2, 0), plan.output_positions

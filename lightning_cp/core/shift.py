@@ -13,26 +13,30 @@ from lightning_cp.core.zigzag import RankTokens
 
 @dataclass(frozen=True)
 class TokenShiftPlan:
-    """One rank's plan for reading, at each of its slots, the ``count`` tokens before it in its document.
+    """One rank's plan for a causal convolution that reads, at each of its slots, the ``count`` tokens before it in
+    its document.
 
     ``send_slots``: this rank's slots that other ranks need, grouped by destination group rank in rank order;
     ``send_counts`` / ``receive_counts``: rows to and from each group rank (received rows come sorted by their slot
-    in the gathered order); ``sources`` ``[count, local]``: for the token ``k + 1`` places back of each local slot,
-    its row in ``cat([local rows, received rows, one zero row])`` (the zero row before a document's start and for
-    padding slots); ``exchanged_rows``: rows moved over the whole group (0: no rank needs the exchange).
+    in the gathered order); ``window_rows``: the convolution's input, as rows of ``cat([local rows, received rows, one
+    zero row])``: every piece of a document on this rank (a run of consecutive tokens) preceded by the ``count``
+    tokens before it (the zero row before the document's start; padding slots form pieces preceded by zeros);
+    ``output_positions``: for each local slot, its position in the output of a convolution without padding of
+    ``window_rows``; ``exchanged_rows``: rows moved over the whole group (0: no rank needs the exchange).
     """
 
     send_slots: Tensor
     send_counts: tuple[int, ...]
     receive_counts: tuple[int, ...]
-    sources: Tensor
+    window_rows: Tensor
+    output_positions: Tensor
     exchanged_rows: int
 
 
 def build_token_shift_plan(tokens: RankTokens, ranks: int, rank: int, count: int) -> TokenShiftPlan:
-    """Plan rank ``rank``'s shifts by 1 to ``count`` tokens from ``tokens``: every rank's shard described in local
-    order and concatenated in group-rank order (``ZigzagGeometry.gathered_tokens`` or ``stream_tokens``). Every rank
-    derives every rank's needs from the same description, so senders and receivers agree without asking."""
+    """Plan rank ``rank``'s convolution over ``count`` tokens back from ``tokens``: every rank's shard described in
+    local order and concatenated in group-rank order (``ZigzagGeometry.gathered_tokens`` or ``stream_tokens``). Every
+    rank derives every rank's needs from the same description, so senders and receivers agree without asking."""
     doc, pos = tokens.doc, tokens.pos
     slots = doc.shape[0]
     local = slots // ranks
@@ -42,8 +46,11 @@ def build_token_shift_plan(tokens: RankTokens, ranks: int, rank: int, count: int
     document_index = torch.where(real, starts[doc.clamp(min=0)] + pos, 0)  # each real token's place in doc order
     slot_of = torch.empty(int(lengths.sum()), dtype=torch.int64)
     slot_of[document_index[real]] = torch.nonzero(real).squeeze(1)
-    shifts = torch.arange(1, count + 1).unsqueeze(1)
-    reachable = real & (pos >= shifts)  # [count, slots]: the shifted token exists in the same document
+    follows = torch.zeros(slots, dtype=torch.bool)  # a slot continues the piece its predecessor slot is in
+    follows[1:] = (doc[1:] == doc[:-1]) & ((pos[1:] == pos[:-1] + 1) | ~real[1:])
+    follows[::local] = False  # every rank's first slot begins a piece
+    shifts = torch.arange(count, 0, -1).unsqueeze(1)  # the oldest token first, as a convolution window reads them
+    reachable = real & ~follows & (pos >= shifts)  # [count, slots]: a piece's earlier tokens in its document
     source = torch.where(reachable, slot_of[(document_index - shifts).clamp(min=0)], -1)
     owner = torch.div(source, local, rounding_mode="floor")
     requester = torch.div(torch.arange(slots), local, rounding_mode="floor").expand_as(source)
@@ -53,14 +60,20 @@ def build_token_shift_plan(tokens: RankTokens, ranks: int, rank: int, count: int
     received = wanted[wanted_by == rank]
     received_from = torch.div(received, local, rounding_mode="floor")
     outgoing = torch.div(wanted, local, rounding_mode="floor") == rank
-    own = source[:, rank * local : (rank + 1) * local]
-    own_owner = owner[:, rank * local : (rank + 1) * local]
-    zero_row = local + received.numel()
+    mine = slice(rank * local, (rank + 1) * local)
+    own, own_owner, begins = source[:, mine].contiguous(), owner[:, mine], ~follows[mine]
     rows = torch.where(own_owner == rank, own - rank * local, local + torch.searchsorted(received, own))
+    rows = torch.where(own >= 0, rows, local + received.numel())  # the zero row
+    # each piece's first slot gets its ``count`` earlier tokens in front of it
+    position = torch.arange(local) + count * torch.cumsum(begins.long(), 0)
+    window_rows = torch.empty(local + count * int(begins.sum()), dtype=torch.int64)
+    window_rows[position] = torch.arange(local)
+    window_rows[(position[begins] - shifts).flatten()] = rows[:, begins].flatten()
     return TokenShiftPlan(
         send_slots=wanted[outgoing] - rank * local,
         send_counts=tuple(torch.bincount(wanted_by[outgoing], minlength=ranks).tolist()),
         receive_counts=tuple(torch.bincount(received_from, minlength=ranks).tolist()),
-        sources=torch.where(own >= 0, rows, zero_row),
+        window_rows=window_rows,
+        output_positions=position - count,
         exchanged_rows=pairs.numel(),
     )

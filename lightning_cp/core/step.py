@@ -276,7 +276,8 @@ class ContextParallelStep:
             group, tokens = self._shards_of(layout, local_tokens)
             ranks, rank = (1, 0) if group is None else (group.size(), group.rank())
             plan = build_token_shift_plan(tokens, ranks, rank, count)
-            plan = dataclasses.replace(plan, send_slots=plan.send_slots.to(device), sources=plan.sources.to(device))
+            moved = {name: getattr(plan, name).to(device) for name in ("send_slots", "window_rows", "output_positions")}
+            plan = dataclasses.replace(plan, **moved)
             self._token_shift_plans[key] = (plan, group if plan.exchanged_rows else None)
         return self._token_shift_plans[key]
 

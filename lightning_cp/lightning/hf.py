@@ -8,6 +8,8 @@ to ``cp_attention`` and raises on what it cannot do exactly; outside one, attent
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -139,10 +141,12 @@ depthwise causal convolution of ``B * x``, ``C`` times that, an output projectio
 
 class _ShortConvolutionUnderCP:
     """The forward of a short-convolution mixer: under a step, its convolution per document across the shards
-    (``cp_causal_conv1d``); outside one, the model's own (generation, its cache and masks)."""
+    (``cp_causal_conv1d``); outside one, the model's own (generation, its cache and masks), or the forward the
+    instance had before (a hook's, such as accelerate's device placement)."""
 
-    def __init__(self, mixer: torch.nn.Module) -> None:
+    def __init__(self, mixer: torch.nn.Module, instance_forward: Callable[..., Any] | None) -> None:
         self.mixer = mixer
+        self.instance_forward = instance_forward
 
     def __call__(
         self, hidden_states: torch.Tensor, *args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any
@@ -150,7 +154,8 @@ class _ShortConvolutionUnderCP:
         """Mix ``hidden_states`` ``[B, S_local, hidden]`` along the sequence."""
         mixer = self.mixer
         if active_step() is None:
-            return type(mixer).forward(mixer, hidden_states, *args, attention_mask=attention_mask, **kwargs)
+            forward = self.instance_forward or functools.partial(type(mixer).forward, mixer)
+            return forward(hidden_states, *args, attention_mask=attention_mask, **kwargs)
         if attention_mask is not None:
             raise ValueError("attention_mask masks tokens out (padding); pack documents into one row instead")
         gate_in, gate_out, values = mixer.in_proj(hidden_states).chunk(3, dim=-1)
@@ -162,8 +167,11 @@ class _ShortConvolutionUnderCP:
 def _use_cp_short_convolutions(model: torch.nn.Module) -> None:
     """Give every short-convolution mixer of ``model`` the forward that is exact under a step (weights unchanged)."""
     for module in model.modules():
-        if comm.original_class_name(module) in _SHORT_CONVOLUTIONS:
-            module.forward = _ShortConvolutionUnderCP(module)
+        instance_forward = module.__dict__.get("forward")
+        if comm.original_class_name(module) in _SHORT_CONVOLUTIONS and not isinstance(
+            instance_forward, _ShortConvolutionUnderCP
+        ):
+            module.forward = _ShortConvolutionUnderCP(module, instance_forward)
 
 
 def _exact_layer_types(model: torch.nn.Module) -> frozenset[str]:

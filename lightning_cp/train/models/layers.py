@@ -124,7 +124,9 @@ class GatedRecurrence(nn.Module):
     """A diagonal linear recurrence over a short causal convolution, gated on the way out (a small state-space mixer
     of hybrid models). On contiguous CP shards it is exact: the convolution is ``cp_causal_conv1d`` (per document,
     the tokens before the shard from the ranks before), the scan runs from a zero state and adds the state entering
-    the shard (``cp_previous_state``) times its cumulative decay; both restart at each document's start."""
+    the shard (``cp_previous_state``) times its cumulative decay; both restart at each document's start (without a
+    step the convolution takes each row as one document, as attention does, while the scan restarts where
+    ``position_ids`` does)."""
 
     def __init__(self, hidden_size: int, kernel: int = 4) -> None:
         super().__init__()
