@@ -213,30 +213,36 @@ def cp_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     ``nn.Conv1d(D, D, K, groups=D).weight[:, 0]``) and an optional ``bias`` ``[D]``, each document on its own: a token
     sees the ``K - 1`` tokens before it in its document and zeros before the document's start, as the convolution of
     that document alone on one device. Under an active step it runs in whatever layout the block runs in (zigzag or
-    contiguous): every piece of a document on this rank gets the ``K - 1`` tokens before it in front of it, from the
-    ranks holding them (one all-to-all-v of at most ``K - 1`` tokens per piece, planned once per batch), and one
-    ``F.conv1d`` runs over all pieces. Without a step each row is one document. It computes in the weight's dtype (or
-    autocast's) and returns ``x``'s, as Hugging Face's convolutions do."""
+    contiguous): every piece of a document on this rank is laid out behind the ``K - 1`` tokens before it, from the
+    ranks holding them (one all-to-all-v of at most ``K - 1`` tokens per piece, planned once per batch). Without a step
+    each row is one document. The taps multiply in the weight's dtype (autocast's under autocast, float64 kept) and
+    add up in at least float32, token-major, so no transposed copy is made; the result has ``x``'s dtype."""
     if weight.dim() != 2 or weight.shape[0] != x.shape[-1] or x.dim() != 3:
         raise ValueError(
             f"cp_causal_conv1d: x {tuple(x.shape)} and weight {tuple(weight.shape)}; expected x [B, S, D] and a "
             "weight [D, K] (a depthwise Conv1d's weight without its middle dimension)"
         )
-    count = weight.shape[1] - 1
-    windows, output_positions = _convolution_windows(x.to(weight.dtype), count)
-    output = F.conv1d(windows, weight.unsqueeze(1), bias, groups=weight.shape[0])
+    dtype = weight.dtype
+    if torch.is_autocast_enabled(x.device.type) and dtype != torch.float64:
+        dtype = torch.get_autocast_dtype(x.device.type)
+    kernel, weight = weight.shape[1], weight.to(dtype)
+    windows, output_positions = _convolution_windows(x.to(dtype), kernel - 1)
+    length, total = windows.shape[1] - (kernel - 1), torch.promote_types(dtype, torch.float32)
+    output = sum((windows[:, tap : tap + length] * weight[:, tap]).to(total) for tap in range(kernel))
+    if bias is not None:
+        output = output + bias.to(total)
     if output_positions is not None:
-        output = output.index_select(2, output_positions)
-    return output.transpose(1, 2).to(x.dtype)
+        output = output.index_select(1, output_positions)
+    return output.to(x.dtype)
 
 
 def _convolution_windows(x: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``[B, D, S']``: every piece of a document in ``x`` ``[B, S_local, D]`` preceded by the ``count`` tokens before
+    """``[B, S', D]``: every piece of a document in ``x`` ``[B, S_local, D]`` preceded by the ``count`` tokens before
     it (zeros before a document's start), and where each token's output lies in a convolution of it without padding
     (None: in order). Without a step, each row preceded by zeros."""
     step = active_step()
     if step is None or count == 0:
-        return F.pad(x.transpose(1, 2), (count, 0)), None
+        return F.pad(x, (0, 0, count, 0)), None
     step.require_stream_at_boundary("cp_causal_conv1d outside the wrapped layers")
     plan, group = step.token_shift_plan(count, x.shape[1], x.device)
     rows = x.transpose(0, 1)  # [S_local, B, D]: the exchange and the windows move whole tokens
@@ -245,4 +251,4 @@ def _convolution_windows(x: torch.Tensor, count: int) -> tuple[torch.Tensor, tor
         sent = rows.index_select(0, plan.send_slots)
         received = comm.all_to_all_v(sent, plan.receive_counts, plan.send_counts, group)
     extended = torch.cat([rows, received, rows.new_zeros((1, *rows.shape[1:]))])
-    return extended.index_select(0, plan.window_rows).permute(1, 2, 0), plan.output_positions
+    return extended.index_select(0, plan.window_rows).transpose(0, 1), plan.output_positions
