@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from lightning_cp import ContextParallelRuntime, ContextParallelSetting, cp_causal_conv1d
 from lightning_cp.core.mesh import ParallelDims, build_context_parallel_mesh
-from lightning_cp.core.shift import build_token_shift_plan
+from lightning_cp.core.windows import build_causal_window_plan
 from lightning_cp.core.zigzag import RankTokens, ZigzagGeometry, stream_tokens
 from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
 
@@ -135,7 +135,7 @@ def test_the_shift_plan_moves_only_what_a_piece_needs() -> None:
     kernel of 2: rank 0 needs token 5 from rank 1, rank 1 needs token 1 from rank 0; one row each way, the rest is
     local. Rows index cat([4 local rows, 1 received, the zero row])."""
     tokens = ZigzagGeometry.packed(2, (8,)).gathered_tokens("zigzag")
-    first, second = (build_token_shift_plan(tokens, 2, rank, 1) for rank in (0, 1))
+    first, second = (build_causal_window_plan(tokens, 2, rank, 1) for rank in (0, 1))
     assert first.send_counts == (0, 1) and first.receive_counts == (0, 1) and first.exchanged_rows == 2
     assert first.send_slots.tolist() == [1] and second.send_slots.tolist() == [3]  # token 1; token 5
     zero, received = 5, 4
@@ -149,7 +149,7 @@ def _simulated_ranks(tokens: RankTokens, ranks: int, kernel: int, values: torch.
     """Every rank's convolution output (channel 0) from its plan, the exchange replayed in one process: rank ``r``
     receives, from each rank in order, that rank's ``send_slots`` meant for ``r``."""
     local = tokens.doc.numel() // ranks
-    plans = [build_token_shift_plan(tokens, ranks, rank, kernel - 1) for rank in range(ranks)]
+    plans = [build_causal_window_plan(tokens, ranks, rank, kernel - 1) for rank in range(ranks)]
     shards = values.view(ranks, local)
     outgoing = [
         dict(enumerate(shard[plan.send_slots].split(plan.send_counts)))

@@ -244,7 +244,7 @@ def _convolution_windows(x: torch.Tensor, count: int) -> tuple[torch.Tensor, tor
     if step is None or count == 0:
         return F.pad(x, (0, 0, count, 0)), None
     step.require_stream_at_boundary("cp_causal_conv1d outside the wrapped layers")
-    plan, group = step.token_shift_plan(count, x.shape[1], x.device)
+    plan, group = step.causal_window_plan(count, x.shape[1], x.device)
     rows = x.transpose(0, 1)  # [S_local, B, D]: the exchange and the windows move whole tokens
     received = rows[:0]
     if group is not None:

@@ -16,7 +16,7 @@ from lightning_cp.core.layout.api import ContextParallelLayoutManager, ContextPa
 from lightning_cp.core.mesh import ContextParallelMesh
 from lightning_cp.core.packed import PackedSeqParams, host_copies, host_offsets
 from lightning_cp.core.sharding import ShardedBatch
-from lightning_cp.core.shift import TokenShiftPlan, build_token_shift_plan
+from lightning_cp.core.windows import CausalWindowPlan, build_causal_window_plan
 from lightning_cp.core.zigzag import (
     CPLayout,
     RankTokens,
@@ -134,9 +134,7 @@ class ContextParallelStep:
     _backward_layer: int | None = None
     _active_before_backward: ContextParallelStep | None = None
     _side_input_cache: dict[tuple[int, CPLayout], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    _token_shift_plans: dict[tuple[CPLayout, int, int, torch.device], tuple[TokenShiftPlan, ProcessGroup | None]] = (
-        field(default_factory=dict)
-    )
+    _causal_window_plans: dict[tuple, tuple[CausalWindowPlan, ProcessGroup | None]] = field(default_factory=dict)
 
     @property
     def cp_size(self) -> int:
@@ -264,22 +262,22 @@ class ContextParallelStep:
         set_active_step(self._active_before_backward)
         self._active_before_backward = None
 
-    def token_shift_plan(
+    def causal_window_plan(
         self, count: int, local_tokens: int, device: torch.device
-    ) -> tuple[TokenShiftPlan, ProcessGroup | None]:
+    ) -> tuple[CausalWindowPlan, ProcessGroup | None]:
         """Return this rank's plan for reading the ``count`` tokens before each of its ``local_tokens`` tokens in their
         documents, in the layout running now, and the group to exchange over (None: no rank needs anything from
         another); built once per batch, layout and count, so every layer, and the backward's recomputation, reuse it."""
         layout = self.current_layout if self.cp_size > 1 else CPLayout.CONTIGUOUS
         key = (layout, count, local_tokens, device)
-        if key not in self._token_shift_plans:
+        if key not in self._causal_window_plans:
             group, tokens = self._shards_of(layout, local_tokens)
             ranks, rank = (1, 0) if group is None else (group.size(), group.rank())
-            plan = build_token_shift_plan(tokens, ranks, rank, count)
+            plan = build_causal_window_plan(tokens, ranks, rank, count)
             moved = {name: getattr(plan, name).to(device) for name in ("send_slots", "window_rows", "output_positions")}
             plan = dataclasses.replace(plan, **moved)
-            self._token_shift_plans[key] = (plan, group if plan.exchanged_rows else None)
-        return self._token_shift_plans[key]
+            self._causal_window_plans[key] = (plan, group if plan.exchanged_rows else None)
+        return self._causal_window_plans[key]
 
     def _shards_of(self, layout: CPLayout, local_tokens: int) -> tuple[ProcessGroup | None, RankTokens]:
         """Return the group whose ranks hold the stream's shards in ``layout`` and every rank's shard described, in

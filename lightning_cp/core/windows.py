@@ -1,5 +1,5 @@
-"""The pure plan of ``cp_causal_conv1d``'s exchange: which tokens before each of a rank's tokens, in its document,
-lie on other ranks, and where every shifted token is found once they have arrived."""
+"""The pure plan of ``cp_causal_conv1d``: which tokens before the pieces of documents on a rank lie on other ranks,
+and how every piece is laid out behind them for one convolution without padding."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from lightning_cp.core.zigzag import RankTokens
 
 
 @dataclass(frozen=True)
-class TokenShiftPlan:
+class CausalWindowPlan:
     """One rank's plan for a causal convolution that reads, at each of its slots, the ``count`` tokens before it in
     its document.
 
@@ -33,7 +33,7 @@ class TokenShiftPlan:
     exchanged_rows: int
 
 
-def build_token_shift_plan(tokens: RankTokens, ranks: int, rank: int, count: int) -> TokenShiftPlan:
+def build_causal_window_plan(tokens: RankTokens, ranks: int, rank: int, count: int) -> CausalWindowPlan:
     """Plan rank ``rank``'s convolution over ``count`` tokens back from ``tokens``: every rank's shard described in
     local order and concatenated in group-rank order (``ZigzagGeometry.gathered_tokens`` or ``stream_tokens``). Every
     rank derives every rank's needs from the same description, so senders and receivers agree without asking."""
@@ -69,7 +69,7 @@ def build_token_shift_plan(tokens: RankTokens, ranks: int, rank: int, count: int
     window_rows = torch.empty(local + count * int(begins.sum()), dtype=torch.int64)
     window_rows[position] = torch.arange(local)
     window_rows[(position[begins] - shifts).flatten()] = rows[:, begins].flatten()
-    return TokenShiftPlan(
+    return CausalWindowPlan(
         send_slots=wanted[outgoing] - rank * local,
         send_counts=tuple(torch.bincount(wanted_by[outgoing], minlength=ranks).tolist()),
         receive_counts=tuple(torch.bincount(received_from, minlength=ranks).tolist()),
