@@ -58,7 +58,7 @@ def test_defaults_then_file_then_overrides(tmp_path) -> None:
         (
             ["model.layer_types=[attention,recurrent]"],
             r"model.layer_types: got \['attention', 'recurrent'\]; "
-            r"expected 4 entries \(num_layers\), each one of \('attention', 'recurrent'\)",
+            r"expected 4 entries \(num_layers\), each one of \('attention', 'recurrent', 'convolution'\)",
         ),
         (["model.layer_types=[attention,mamba,attention,attention]"], r"model.layer_types: got .*'mamba'"),
         (

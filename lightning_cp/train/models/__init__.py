@@ -1,16 +1,27 @@
-"""The reference Llama-style decoder (attention blocks, and recurrent ones in hybrid stacks) and its module."""
+"""The reference Llama-style decoder (attention blocks, and recurrent or short-convolution ones in hybrid stacks) and
+its module."""
 
-from lightning_cp.train.models.layers import Attention, DecoderBlock, GatedRecurrence, RecurrentBlock, SwiGLU
+from lightning_cp.train.models.layers import (
+    Attention,
+    ConvolutionDecoderBlock,
+    DecoderBlock,
+    GatedRecurrence,
+    RecurrentBlock,
+    ShortConvolution,
+    SwiGLU,
+)
 from lightning_cp.train.models.llama import LlamaConfig, LlamaDecoder
 from lightning_cp.train.models.module import LlamaLM
 
 __all__ = [
     "Attention",
+    "ConvolutionDecoderBlock",
     "DecoderBlock",
     "GatedRecurrence",
     "LlamaConfig",
     "LlamaDecoder",
     "LlamaLM",
     "RecurrentBlock",
+    "ShortConvolution",
     "SwiGLU",
 ]

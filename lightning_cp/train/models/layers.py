@@ -1,5 +1,6 @@
-"""Llama building blocks: rotary embeddings from position ids, GQA attention through ``cp_attention``, SwiGLU, and a
-recurrent block (short convolution through ``cp_causal_conv1d`` and gated linear recurrence) for hybrid stacks."""
+"""Llama building blocks: rotary embeddings from position ids, GQA attention through ``cp_attention``, SwiGLU, and for
+hybrid stacks a recurrent block (short convolution through ``cp_causal_conv1d`` and gated linear recurrence) and an
+LFM2-style gated short-convolution block."""
 
 from __future__ import annotations
 
@@ -164,4 +165,39 @@ class RecurrentBlock(nn.Module):
     def forward(self, h: torch.Tensor, *, position_ids: torch.Tensor) -> torch.Tensor:
         """Return the block output for hidden states ``[B, S_local, hidden]``."""
         h = h + self.recurrence(self.recurrence_norm(h), position_ids)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class ShortConvolution(nn.Module):
+    """LFM2's token mixer: ``B``, ``C`` and ``x`` from one projection, a depthwise causal convolution of ``B * x``
+    (``cp_causal_conv1d``: per document, in whichever layout the block runs), gated by ``C`` on the way out."""
+
+    def __init__(self, hidden_size: int, kernel: int = 3) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(hidden_size, 3 * hidden_size, bias=False)
+        self.taps = nn.Parameter(torch.zeros(hidden_size, kernel))  # oldest tap first, as a depthwise Conv1d's
+        with torch.no_grad():
+            self.taps[:, -1] = 1.0  # the convolution starts as the identity
+        self.out_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Mix ``x`` ``[B, S_local, hidden]`` along the sequence (this rank's shard, in any layout)."""
+        gate_in, gate_out, values = self.in_proj(x).chunk(3, dim=-1)
+        return self.out_proj(gate_out * cp_causal_conv1d(gate_in * values, self.taps))
+
+
+class ConvolutionDecoderBlock(nn.Module):
+    """Pre-norm block of a ``ShortConvolution`` and a SwiGLU MLP. Its name matches the default policy's
+    ``*DecoderBlock``, so it runs on zigzag shards next to the attention blocks: no layout conversion between them."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, norm_eps: float) -> None:
+        super().__init__()
+        self.convolution_norm = nn.RMSNorm(hidden_size, eps=norm_eps)
+        self.convolution = ShortConvolution(hidden_size)
+        self.mlp_norm = nn.RMSNorm(hidden_size, eps=norm_eps)
+        self.mlp = SwiGLU(hidden_size, intermediate_size)
+
+    def forward(self, h: torch.Tensor, *, position_ids: torch.Tensor) -> torch.Tensor:
+        """Return the block output for hidden states ``[B, S_local, hidden]`` (documents come from the step)."""
+        h = h + self.convolution(self.convolution_norm(h))
         return h + self.mlp(self.mlp_norm(h))

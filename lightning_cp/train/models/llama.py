@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_cp.train.models.layers import DecoderBlock, RecurrentBlock
+from lightning_cp.train.models.layers import ConvolutionDecoderBlock, DecoderBlock, RecurrentBlock
 
-LAYER_TYPES = ("attention", "recurrent")
+LAYER_TYPES = ("attention", "recurrent", "convolution")
 
 
 @dataclass
@@ -45,8 +45,8 @@ def layer_kinds(num_layers: int, layer_types: Sequence[str] | None) -> list[str]
 
 
 class LlamaDecoder(nn.Module):
-    """Token embedding, ``num_layers`` blocks (attention, or recurrent where ``layer_types`` says), final RMSNorm and
-    the (tied or untied) output head."""
+    """Token embedding, ``num_layers`` blocks (attention, or recurrent or convolution where ``layer_types`` says),
+    final RMSNorm and the (tied or untied) output head."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -61,7 +61,9 @@ class LlamaDecoder(nn.Module):
                 config.norm_eps,
             )
             if kind == "attention"
-            else RecurrentBlock(config.hidden_size, config.intermediate_size, config.norm_eps)
+            else {"recurrent": RecurrentBlock, "convolution": ConvolutionDecoderBlock}[kind](
+                config.hidden_size, config.intermediate_size, config.norm_eps
+            )
             for kind in layer_kinds(config.num_layers, config.layer_types)
         )
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)

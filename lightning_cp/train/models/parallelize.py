@@ -21,11 +21,12 @@ SEQUENCE_DIM = 1  # hidden states are [B, S, hidden]
 
 def check_tensor_parallel_size(config: LlamaConfig, tensor_parallel_size: int) -> None:
     """Raise ``ValueError`` unless ``tensor_parallel_size`` divides the heads, kv heads and MLP width (and every layer
-    is an attention layer: the plan has no recurrent ones)."""
-    if tensor_parallel_size > 1 and "recurrent" in layer_kinds(config.num_layers, config.layer_types):
+    is an attention layer: the plan has no recurrent or convolution ones)."""
+    others = sorted(set(layer_kinds(config.num_layers, config.layer_types)) - {"attention"})
+    if tensor_parallel_size > 1 and others:
         raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} with recurrent layers in model.layer_types: tensor "
-            "parallelism has a plan for attention layers only"
+            f"tensor_parallel_size={tensor_parallel_size} with {' and '.join(others)} layers in model.layer_types: "
+            "tensor parallelism has a plan for attention layers only"
         )
     sizes = {
         "num_heads": config.num_heads,
