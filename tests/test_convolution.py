@@ -106,15 +106,21 @@ def test_a_causal_convolution_matches_each_document_alone(
 def test_a_causal_convolution_under_sequence_parallelism_and_its_refusals() -> None:
     """Contiguous shards over TP x CP ranks (cp 2 x tp 2) read the tokens before them from the previous TP x CP rank;
     in a zigzag block the shards are split further, which the convolution refuses on every rank, as it refuses a
-    shard that is not this batch's (documents padded to multiples of 4: 40 slots per rank, given 39)."""
+    shard that is not this batch's (zigzag: documents padded to multiples of 4, 40 slots per rank, given 39;
+    contiguous: 62 tokens, 31 per rank, given 30; before, a contiguous shard that was too long or the whole batch
+    gave wrong values)."""
     for errors in run_on_ranks(_convolution_error, 4, "contiguous", MIXED_DOCUMENTS, 4, 1, 2):
         assert max(errors) <= 1e-12, errors
     assert_same_error_on_every_rank(
-        _convolution_error, 4, "zigzag", MIXED_DOCUMENTS, 4, 1, 2, match="name the block in contiguous_layers"
+        _convolution_error, 4, "zigzag", MIXED_DOCUMENTS, 4, 1, 2, match="use another attention mode, or run its block"
     )
     assert_same_error_on_every_rank(
         _convolution_error, 2, "zigzag", MIXED_DOCUMENTS, 4, drop_last=True,
-        match="a shard of 39 tokens in a zigzag block does not fit this batch's sharding",
+        match="a shard of 39 tokens in a zigzag block, where this batch puts 40 tokens on each rank",
+    )  # fmt: skip
+    assert_same_error_on_every_rank(
+        _convolution_error, 2, "contiguous", MIXED_DOCUMENTS, 4, drop_last=True,
+        match="a shard of 30 tokens in a contiguous block, where this batch puts 31 tokens on each rank",
     )  # fmt: skip
 
 
@@ -126,8 +132,12 @@ def test_without_a_step_each_row_is_one_document() -> None:
     bias = torch.randn(CHANNELS, generator=generator, dtype=torch.float64)
     expected = _per_document_convolution(x, weight, bias, (9,))
     torch.testing.assert_close(cp_causal_conv1d(x, weight, bias), expected, rtol=0, atol=1e-12)
-    with pytest.raises(ValueError, match="expected x \\[B, S, D\\] and a weight \\[D, K\\]"):
+    with pytest.raises(ValueError, match="expected x \\[B, S, D\\] and a weight \\[D, K >= 1\\]"):
         cp_causal_conv1d(x, weight.unsqueeze(1))
+    with pytest.raises(ValueError, match="expected x \\[B, S, D\\] and a weight \\[D, K >= 1\\]"):
+        cp_causal_conv1d(x, weight[:, :0])
+    with pytest.raises(ValueError, match="bias \\(1,\\); expected \\[D\\] = \\(3,\\)"):
+        cp_causal_conv1d(x, weight, bias[:1])
 
 
 def test_the_shift_plan_moves_only_what_a_piece_needs() -> None:

@@ -36,7 +36,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "built-in": lambda: LlamaDecoder(
         LlamaConfig(
             hidden_size=16, num_layers=4, num_heads=2, num_kv_heads=1, intermediate_size=32,
-            layer_types=["attention", "recurrent", "convolution", "attention"],
+            layer_types=["attention", "recurrent", "recurrent", "convolution"],
         )
     ),
 }  # fmt: skip

@@ -215,22 +215,28 @@ def cp_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     that document alone on one device. Under an active step it runs in whatever layout the block runs in (zigzag or
     contiguous): every piece of a document on this rank is laid out behind the ``K - 1`` tokens before it, from the
     ranks holding them (one all-to-all-v of at most ``K - 1`` tokens per piece, planned once per batch). Without a step
-    each row is one document. The taps multiply in the weight's dtype (autocast's under autocast, float64 kept) and
-    add up in at least float32, token-major, so no transposed copy is made; the result has ``x``'s dtype."""
-    if weight.dim() != 2 or weight.shape[0] != x.shape[-1] or x.dim() != 3:
+    each row is one document. Inputs are in the wider of ``x``'s and the weight's dtypes (autocast's under autocast,
+    unless one is float64), the taps accumulate in at least float32, token-major (no transposed copy), and the result
+    has ``x``'s dtype."""
+    channels = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[0] != channels or weight.shape[1] < 1 or x.dim() != 3:
         raise ValueError(
             f"cp_causal_conv1d: x {tuple(x.shape)} and weight {tuple(weight.shape)}; expected x [B, S, D] and a "
-            "weight [D, K] (a depthwise Conv1d's weight without its middle dimension)"
+            "weight [D, K >= 1] (a depthwise Conv1d's weight without its middle dimension)"
         )
-    dtype = weight.dtype
+    if bias is not None and tuple(bias.shape) != (channels,):
+        raise ValueError(f"cp_causal_conv1d: bias {tuple(bias.shape)}; expected [D] = ({channels},)")
+    dtype = torch.promote_types(x.dtype, weight.dtype)
     if torch.is_autocast_enabled(x.device.type) and dtype != torch.float64:
         dtype = torch.get_autocast_dtype(x.device.type)
     kernel, weight = weight.shape[1], weight.to(dtype)
     windows, output_positions = _convolution_windows(x.to(dtype), kernel - 1)
-    length, total = windows.shape[1] - (kernel - 1), torch.promote_types(dtype, torch.float32)
-    output = sum((windows[:, tap : tap + length] * weight[:, tap]).to(total) for tap in range(kernel))
+    length = windows.shape[1] - (kernel - 1)
+    output = windows.new_zeros((windows.shape[0], length, channels), dtype=torch.promote_types(dtype, torch.float32))
     if bias is not None:
-        output = output + bias.to(total)
+        output = output + bias.to(output.dtype)
+    for tap in range(kernel):  # products formed in the accumulator's precision, as a convolution's
+        output = torch.addcmul(output, windows[:, tap : tap + length], weight[:, tap])
     if output_positions is not None:
         output = output.index_select(1, output_positions)
     return output.to(x.dtype)

@@ -285,19 +285,22 @@ class ContextParallelStep:
         if layout is CPLayout.ZIGZAG:
             if self.setting.zigzag_ranks[1] > 1:
                 raise ValueError(
-                    "a causal convolution in a zigzag block whose shards are split further (sequence parallelism, "
-                    "attention_mode='hybrid'): name the block in contiguous_layers"
+                    "a causal convolution on zigzag shards that are split further (sequence parallelism, "
+                    "attention_mode='hybrid') cannot run: use another attention mode, or run its block on contiguous "
+                    "shards (contiguous_layers, and out of zigzag_layers)"
                 )
             group, tokens = self.cp_group, self.geometry.gathered_tokens(layout)
-            fits = tokens.doc.numel() == group.size() * local_tokens
+            expected = tokens.doc.numel() // group.size()
         else:
             group, lengths = self.loss_group, self._document_lengths()
             ranks = 1 if group is None else group.size()
-            fits = sum(lengths) <= ranks * local_tokens
-            tokens = stream_tokens(lengths, ranks * local_tokens) if fits else None
-        if not fits:
+            stream = self.stream_length or max(sum(lengths), ranks * local_tokens)  # a step built without one
+            expected = stream // ranks
+            tokens = stream_tokens(lengths, stream) if expected * ranks == stream >= sum(lengths) else None
+        if local_tokens != expected or tokens is None:
             raise ValueError(
-                f"a shard of {local_tokens} tokens in a {layout.value} block does not fit this batch's sharding"
+                f"a shard of {local_tokens} tokens in a {layout.value} block, where this batch puts {expected} tokens "
+                "on each rank"
             )
         return group, tokens
 
