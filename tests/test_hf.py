@@ -305,7 +305,7 @@ def _assert_matches(
         assert error <= tolerance * expected.abs().max().item(), f"{name}: {error}"
 
 
-def _fit_bf16_mixed(world: int) -> list[float]:
+def _fit_bf16_mixed(world: int, family: str) -> list[float]:
     """Rank body: a float32 model trained under ``bf16-mixed`` (autocast), the usual fine-tuning precision."""
     os.environ["WORLD_SIZE"] = str(world)
     batches, _ = make_batches("packed")
@@ -314,16 +314,17 @@ def _fit_bf16_mixed(world: int) -> list[float]:
         devices=world, strategy=CPZigzagStrategy(), precision="bf16-mixed", max_steps=STEPS, callbacks=[recorder],
         use_distributed_sampler=False, **TRAINER_OPTIONS,
     )  # fmt: skip
-    trainer.fit(SGDCausalLM(tiny_model("llama").float()), DataLoader(batches, batch_size=None))
+    trainer.fit(SGDCausalLM(tiny_model(family).float()), DataLoader(batches, batch_size=None))
     return recorder.losses
 
 
-def test_bf16_mixed_fine_tuning_under_cp_matches_one_device_within_bf16_rounding():
+@pytest.mark.parametrize("family", ["llama", "lfm2"])
+def test_bf16_mixed_fine_tuning_under_cp_matches_one_device_within_bf16_rounding(family):
     """Under autocast a Hugging Face layer hands the attention float32 q, k (rotated by float32 cos/sin) and a bf16
     v: ``cp_attention`` casts them to the autocast's dtype as SDPA does, and cp=2 trains like the float64 reference
-    (relative 2e-3)."""
-    expected, _ = reference_losses("llama", make_batches("packed")[1])
-    for losses in run_on_ranks(_fit_bf16_mixed, 2, 2, init_process_group=False):
+    (relative 2e-3); LFM2's convolutions run in bf16 under autocast too."""
+    expected, _ = reference_losses(family, make_batches("packed")[1])
+    for losses in run_on_ranks(_fit_bf16_mixed, 2, 2, family, init_process_group=False):
         assert len(losses) == STEPS
         for actual, reference in zip(losses, expected, strict=True):
             assert abs(actual - reference) <= 2e-3 * abs(reference), (actual, reference)
