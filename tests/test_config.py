@@ -63,16 +63,6 @@ def test_defaults_then_file_then_overrides(tmp_path) -> None:
         (["model.layer_types=[attention,mamba,attention,attention]"], r"model.layer_types: got .*'mamba'"),
         (
             [
-                "model.layer_types=[attention,convolution,attention,attention]",
-                "strategy.attention_mode=hybrid",
-                "strategy.ulysses_size=2",
-                "strategy.context_parallel_size=4",
-                "trainer.devices=4",
-            ],
-            r"strategy.attention_mode: hybrid with convolution layers in model.layer_types: .* use allgather, ring",
-        ),
-        (
-            [
                 "model.layer_types=[attention,recurrent,attention,recurrent]",
                 "strategy.data_parallel=fsdp",
                 "trainer.devices=4",

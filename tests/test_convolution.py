@@ -38,14 +38,19 @@ def _convolution_error(
     rows: int = 1,
     tensor_parallel: int = 1,
     drop_last: bool = False,
+    ulysses: int = 1,
 ) -> list[float]:
     """This rank's largest differences to one process: outputs, input gradients, and (summed over the ranks) weight
     and bias gradients, for packed documents of ``lengths`` (None: ``rows`` dense rows of 22 tokens) in the
-    ``boundary`` layout; ``drop_last``: the shard given without its last token."""
+    ``boundary`` layout; ``drop_last``: the shard given without its last token; ``tensor_parallel`` > 1: under
+    sequence parallelism; ``ulysses`` > 1: ``attention_mode="hybrid"`` with that Ulysses part."""
     world = dist.get_world_size()
-    dims = ParallelDims(1, world // tensor_parallel, tensor_parallel)
+    dims = ParallelDims(1, world // tensor_parallel, tensor_parallel, ulysses)
     mesh = build_context_parallel_mesh("cpu", dims)
-    setting = ContextParallelSetting(mesh, boundary_layout=boundary, sequence_parallel=tensor_parallel > 1)
+    mode = "hybrid" if ulysses > 1 else "allgather"
+    setting = ContextParallelSetting(
+        mesh, boundary_layout=boundary, sequence_parallel=tensor_parallel > 1, attention_mode=mode
+    )
     runtime = ContextParallelRuntime(setting)
     total = 22 if lengths is None else sum(lengths)
     generator = torch.Generator().manual_seed(11)
@@ -103,17 +108,31 @@ def test_a_causal_convolution_matches_each_document_alone(
         assert max(errors) <= 1e-12, errors
 
 
-def test_a_causal_convolution_under_sequence_parallelism_and_its_refusals() -> None:
-    """Contiguous shards over TP x CP ranks (cp 2 x tp 2) read the tokens before them from the previous TP x CP rank;
-    in a zigzag block the shards are split further, which the convolution refuses on every rank, as it refuses a
-    shard that is not this batch's (zigzag: documents padded to multiples of 4, 40 slots per rank, given 39;
-    contiguous: 62 tokens, 31 per rank, given 30; before, a contiguous shard that was too long or the whole batch
-    gave wrong values)."""
-    for errors in run_on_ranks(_convolution_error, 4, "contiguous", MIXED_DOCUMENTS, 4, 1, 2):
+@pytest.mark.parametrize(
+    ("ranks", "boundary", "lengths", "rows", "tensor_parallel", "ulysses"),
+    [
+        (4, "contiguous", MIXED_DOCUMENTS, 1, 2, 1),
+        (4, "zigzag", MIXED_DOCUMENTS, 1, 2, 1),
+        (6, "zigzag", None, 2, 3, 1),
+        (4, "zigzag", MIXED_DOCUMENTS, 1, 1, 2),
+        (4, "zigzag", None, 2, 1, 2),
+    ],
+    ids=["cp2xtp2-contiguous", "cp2xtp2-zigzag", "cp2xtp3-zigzag-dense", "hybrid-ring2xulysses2",
+         "hybrid-ring2xulysses2-dense"],
+)  # fmt: skip
+def test_a_causal_convolution_on_shards_split_further(
+    ranks: int, boundary: str, lengths: tuple[int, ...] | None, rows: int, tensor_parallel: int, ulysses: int
+) -> None:
+    """Shards split over TP ranks (sequence parallelism, also dense over an odd TP size) or over the Ulysses ranks of
+    ``hybrid``: each holds a contiguous part of its CP rank's zigzag shard, and the tokens before each piece come
+    from the ranks holding them, in the loss group's rank order (before, refused on zigzag shards)."""
+    for errors in run_on_ranks(_convolution_error, ranks, boundary, lengths, 4, rows, tensor_parallel, ulysses=ulysses):
         assert max(errors) <= 1e-12, errors
-    assert_same_error_on_every_rank(
-        _convolution_error, 4, "zigzag", MIXED_DOCUMENTS, 4, 1, 2, match="use another attention mode, or run its block"
-    )
+
+
+def test_a_shard_that_is_not_the_batchs_is_refused() -> None:
+    """On every rank (zigzag: documents padded to multiples of 4, 40 slots per rank, given 39; contiguous: 62 tokens,
+    31 per rank, given 30; before, a contiguous shard that was too long or the whole batch gave wrong values)."""
     assert_same_error_on_every_rank(
         _convolution_error, 2, "zigzag", MIXED_DOCUMENTS, 4, drop_last=True,
         match="a shard of 39 tokens in a zigzag block, where this batch puts 40 tokens on each rank",

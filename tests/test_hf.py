@@ -211,6 +211,7 @@ RUNS = [
     ("lfm2", "packed", 1, {}, False),
     ("lfm2_moe", "packed", 4, {"data_parallel": "fsdp"}, True),
     ("lfm3", "packed", 2, {"attention_mode": "ring"}, False),
+    ("lfm2", "packed", 4, {"attention_mode": "hybrid", "ulysses_size": 2}, False),
 ]
 
 

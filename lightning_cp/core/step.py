@@ -282,14 +282,8 @@ class ContextParallelStep:
     def _shards_of(self, layout: CPLayout, local_tokens: int) -> tuple[ProcessGroup | None, RankTokens]:
         """Return the group whose ranks hold the stream's shards in ``layout`` and every rank's shard described, in
         group-rank order; refuse a shard of another length than the batch puts on each rank."""
-        if layout is CPLayout.ZIGZAG:
-            if self.setting.zigzag_ranks[1] > 1:
-                raise ValueError(
-                    "a causal convolution on zigzag shards that are split further (sequence parallelism, "
-                    "attention_mode='hybrid') cannot run: use another attention mode, or run its block on contiguous "
-                    "shards (contiguous_layers, and out of zigzag_layers)"
-                )
-            group, tokens = self.cp_group, self.geometry.gathered_tokens(layout)
+        if layout is CPLayout.ZIGZAG:  # a CP rank's shard split further (SP, hybrid): its contiguous parts, in order
+            group, tokens = self.loss_group, self.geometry.gathered_tokens(layout)
             expected = tokens.doc.numel() // group.size()
         else:
             group, lengths = self.loss_group, self._document_lengths()

@@ -386,12 +386,6 @@ def _check_values(cfg: DictConfig) -> None:
         )
     except ValueError as error:
         raise ConfigError(f"strategy.{error}") from None
-    built_in_kinds = [] if cfg.model.pretrained else layer_kinds(cfg.model.num_layers, cfg.model.layer_types)
-    if strategy.attention_mode.value == "hybrid" and "convolution" in built_in_kinds:
-        raise ConfigError(
-            "strategy.attention_mode: hybrid with convolution layers in model.layer_types: hybrid splits each zigzag "
-            "shard over its Ulysses ranks, where a convolution block cannot run; use allgather, ring or ulysses"
-        )
     if known_devices:
         world = per_node * cfg.trainer.num_nodes
         group = cp_known * tp
