@@ -159,7 +159,7 @@ def test_without_a_step_each_row_is_one_document() -> None:
         cp_causal_conv1d(x, weight, bias[:1])
 
 
-def test_the_shift_plan_moves_only_what_a_piece_needs() -> None:
+def test_the_window_plan_moves_only_what_a_piece_needs() -> None:
     """cp 2, one document of 8 tokens in zigzag pieces of 2 (rank 0: 0 1 | 6 7, rank 1: 2 3 | 4 5, one piece) and a
     kernel of 2: rank 0 needs token 5 from rank 1, rank 1 needs token 1 from rank 0; one row each way, the rest is
     local. Rows index cat([4 local rows, 1 received, the zero row])."""

@@ -81,7 +81,10 @@ def test_packed_documents_do_not_see_each_other(layer_types: list[str] | None) -
     alone = model(torch.tensor([second]), torch.arange(9).unsqueeze(0))
     sharded = shard_replica_batch(packed)
     assert sharded.position_ids.tolist() == [list(range(13)) + list(range(9))]
-    with activated(ContextParallelStep(contiguous_packed_seq_params=contiguous_packed_seq_params(sharded))):
+    step = ContextParallelStep(
+        contiguous_packed_seq_params=contiguous_packed_seq_params(sharded), stream_length=sharded.padded_sequence_length
+    )
+    with activated(step):
         together = model(sharded.input_ids, sharded.position_ids)
     torch.testing.assert_close(together[:, 13:], alone, rtol=1e-12, atol=1e-12)
 

@@ -288,9 +288,9 @@ class ContextParallelStep:
         else:
             group, lengths = self.loss_group, self._document_lengths()
             ranks = 1 if group is None else group.size()
-            stream = self.stream_length or max(sum(lengths), ranks * local_tokens)  # a step built without one
-            expected = stream // ranks
-            tokens = stream_tokens(lengths, stream) if expected * ranks == stream >= sum(lengths) else None
+            expected = self.stream_length // ranks
+            fits = expected * ranks == self.stream_length >= sum(lengths)
+            tokens = stream_tokens(lengths, self.stream_length) if fits else None
         if local_tokens != expected or tokens is None:
             raise ValueError(
                 f"a shard of {local_tokens} tokens in a {layout.value} block, where this batch puts {expected} tokens "
@@ -300,8 +300,6 @@ class ContextParallelStep:
 
     def _document_lengths(self) -> tuple[int, ...]:
         """Return the batch's document lengths (a dense batch: one document per row)."""
-        if self.geometry is not None and self.is_packed:
-            return self.geometry.lengths
         if self.contiguous_packed_seq_params is not None:
             offsets = host_offsets(self.contiguous_packed_seq_params.cu_seqlens_q)
             return tuple(end - start for start, end in zip(offsets, offsets[1:], strict=False))

@@ -82,8 +82,7 @@ def _no_mask(
 ) -> None:
     """Mask of ``"lightning_cp"`` under a step: none (documents come from the step); padding masks are an error, and so
     is a local window (a sliding window only the mask carries, chunked attention) that a document outgrows."""
-    if attention_mask is not None and not bool(attention_mask.bool().all()):
-        raise ValueError("attention_mask masks tokens out (padding); pack documents into one row instead")
+    _refuse_padding(attention_mask)
     if not local_size or not _has_local_layers(kwargs.get("config")):
         return  # no window (Qwen2-MoE's 0), or a sliding mask the model builds but no layer of it uses
     if (longest := _longest_document(kwargs.get("kv_length", 0))) > local_size:
@@ -92,6 +91,12 @@ def _no_mask(
             f"(sliding_window or attention_chunk_size) over a document of {longest} tokens exactly; turn it off in "
             "the model config or keep documents within it"
         )
+
+
+def _refuse_padding(attention_mask: torch.Tensor | None) -> None:
+    """Raise when a mask under a step masks tokens out: documents come from the step, padding is not kept."""
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError("attention_mask masks tokens out (padding); pack documents into one row instead")
 
 
 def _has_local_layers(config: Any) -> bool:
@@ -156,8 +161,7 @@ class _ShortConvolutionUnderCP:
         if active_step() is None:
             forward = self.instance_forward or functools.partial(type(mixer).forward, mixer)
             return forward(hidden_states, *args, attention_mask=attention_mask, **kwargs)
-        if attention_mask is not None:
-            raise ValueError("attention_mask masks tokens out (padding); pack documents into one row instead")
+        _refuse_padding(attention_mask)
         gate_in, gate_out, values = mixer.in_proj(hidden_states).chunk(3, dim=-1)
         convolution = mixer.conv
         mixed = cp_causal_conv1d(gate_in * values, convolution.weight.squeeze(1), convolution.bias)
