@@ -1,8 +1,8 @@
 """Context parallelism for PyTorch Lightning; importing it registers ``strategy="cp_zigzag"``.
 
 The public API: ``cp_attention``, ``cp_cross_entropy``, ``cp_gather_sequence``, ``cp_causal_conv1d``,
-``cp_previous_tokens`` and ``cp_previous_state`` for model code, the strategy and its callback for Lightning,
-``ContextParallelRuntime`` for any other training loop, ``PackedSeqParams`` for packed metadata.
+``cp_ssd_scan``, ``cp_previous_tokens`` and ``cp_previous_state`` for model code, the strategy and its callback for
+Lightning, ``ContextParallelRuntime`` for any other training loop, ``PackedSeqParams`` for packed metadata.
 """
 
 from lightning_cp.core.functional import (
@@ -11,6 +11,7 @@ from lightning_cp.core.functional import (
     cp_gather_sequence,
     cp_previous_state,
     cp_previous_tokens,
+    cp_ssd_scan,
 )
 from lightning_cp.core.loss import CPLoss, cp_chunked_cross_entropy, cp_cross_entropy
 from lightning_cp.core.packed import PackedSeqParams
@@ -34,4 +35,5 @@ __all__ = [
     "cp_gather_sequence",
     "cp_previous_state",
     "cp_previous_tokens",
+    "cp_ssd_scan",
 ]

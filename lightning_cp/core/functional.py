@@ -1,7 +1,8 @@
 """What model code calls: ``cp_attention``, exact attention under the active step (or on one device without one);
 ``cp_gather_sequence``, a per-token output of the whole replica batch on every rank; ``cp_causal_conv1d``, a short
-causal convolution per document in any layout; ``cp_previous_tokens`` and ``cp_previous_state``, what a convolution or
-a recurrence on contiguous shards needs from the shards before."""
+causal convolution per document in any layout; ``cp_ssd_scan``, Mamba2's selective scan per document in any layout;
+``cp_previous_tokens`` and ``cp_previous_state``, what a convolution or a recurrence on contiguous shards needs from
+the shards before."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from lightning_cp.core.attention.api import (
     check_attention_shapes,
 )
 from lightning_cp.core.packed import host_offsets
+from lightning_cp.core.scan import ssd_scan
 from lightning_cp.core.step import active_step
 from lightning_cp.core.zigzag import CPLayout, contiguous_padding_multiple
 
@@ -192,8 +194,12 @@ def cp_previous_state(final_state: torch.Tensor, decay: torch.Tensor) -> torch.T
             f"{tuple(final_state.shape)}"
         )
     group = _contiguous_shard_group("cp_previous_state")
-    if group is None:
-        return torch.zeros_like(final_state)
+    return torch.zeros_like(final_state) if group is None else _state_entering_shard(final_state, decay, group)
+
+
+def _state_entering_shard(final_state: torch.Tensor, decay: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """The state entering this rank's contiguous shard of ``group``: every earlier shard's ``final_state`` carried over
+    the shards after it by their ``decay`` (one all-gather of both, in the wider of their dtypes)."""
     dtype = torch.promote_types(final_state.dtype, decay.dtype)
     both = torch.cat([final_state.to(dtype).flatten(), decay.to(dtype).flatten()])  # the decay as small as given
     shards = comm.all_gather_stack(both, group)  # [ranks, state + decay values]
@@ -205,6 +211,65 @@ def cp_previous_state(final_state: torch.Tensor, decay: torch.Tensor) -> torch.T
     for state, shard_decay in zip(states[:rank], decays[:rank], strict=True):
         entering = state + shard_decay * entering
     return entering.to(final_state.dtype)
+
+
+@comm.eager_under_compile
+def cp_ssd_scan(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, *, chunk_size: int = 256
+) -> torch.Tensor:
+    """Mamba2's selective scan (state space duality) per document: ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T``,
+    ``y_t = h_t C_t``, from a zero state at each document's start, as one device scans that document alone.
+
+    ``x`` ``[b, S_local, heads, head_dim]``, ``dt`` ``[b, S_local, heads]`` (step sizes after bias, softplus and
+    limits), ``A`` ``[heads]`` (negative), ``B`` and ``C`` ``[b, S_local, groups, state]`` (``heads`` divisible by
+    ``groups``); returns ``y`` ``[b, S_local, heads, head_dim]`` without the ``D`` skip, computed and returned in at
+    least float32 (as Mamba2's reference scan). Under an active step each rank scans its contiguous shard in chunks of
+    ``chunk_size`` tokens, then adds the state entering it from the shards before (one all-gather of one state per
+    rank); in a block that runs in another layout the inputs are converted to contiguous shards and the output back.
+    Without a step each row is one document."""
+    rows, length, heads = x.shape[:3] if x.dim() == 4 else (0, 0, 0)
+    groups = B.shape[2] if B.dim() == 4 else 0
+    if (
+        x.dim() != 4 or tuple(dt.shape) != (rows, length, heads) or tuple(A.shape) != (heads,) or B.shape != C.shape
+        or B.dim() != 4 or tuple(B.shape[:2]) != (rows, length) or groups == 0 or heads % groups or chunk_size < 1
+    ):  # fmt: skip
+        raise ValueError(
+            f"cp_ssd_scan: x {tuple(x.shape)}, dt {tuple(dt.shape)}, A {tuple(A.shape)}, B {tuple(B.shape)}, "
+            f"C {tuple(C.shape)}, chunk_size={chunk_size}; expected x [b, S, heads, head_dim], dt [b, S, heads], "
+            "A [heads], B and C [b, S, groups, state] with heads divisible by groups, chunk_size >= 1"
+        )
+    dtype = torch.promote_types(torch.promote_types(x.dtype, B.dtype), torch.float32)
+    step = active_step()
+    group, layout = None, CPLayout.CONTIGUOUS
+    if step is not None:
+        step.require_stream_at_boundary("cp_ssd_scan outside the wrapped layers")
+        group, layout = step.loss_group, step.current_layout if step.cp_size > 1 else CPLayout.CONTIGUOUS
+        if group is not None and comm.group_size(group) == 1:
+            group = None
+    if layout is not CPLayout.CONTIGUOUS:  # one conversion of all four inputs, in their own dtype
+        widths = [x[0, 0].numel(), heads, B[0, 0].numel(), C[0, 0].numel()]
+        inputs = torch.cat([tensor.reshape(rows, length, -1).to(x.dtype) for tensor in (x, dt, B, C)], dim=-1)
+        inputs = step.convert(inputs, layout, CPLayout.CONTIGUOUS)
+        shapes = (x.shape[2:], (heads,), B.shape[2:], C.shape[2:])  # the contiguous shard's length may differ
+        parts = zip(inputs.split(widths, dim=-1), shapes, strict=True)
+        x, dt, B, C = (part.reshape(rows, -1, *shape) for part, shape in parts)
+    starts = _document_starts(x.shape[1], x.device)
+    x, dt, A, B, C = (tensor.to(dtype) for tensor in (x, dt, A, B, C))
+    B, C = (tensor.repeat_interleave(heads // groups, dim=2) for tensor in (B, C))
+    y, final_state, entry_decay = ssd_scan(x, dt, A, B, C, starts, chunk_size)
+    if group is not None:
+        entering = _state_entering_shard(final_state, entry_decay[:, -1, :, None, None], group)
+        y = y + torch.einsum("bshn,bhpn->bshp", C, entering) * entry_decay.unsqueeze(-1)
+    return step.convert(y, CPLayout.CONTIGUOUS, layout) if layout is not CPLayout.CONTIGUOUS else y
+
+
+def _document_starts(local_tokens: int, device: torch.device) -> torch.Tensor:
+    """``[S_local]`` booleans: a document starts at the token of this rank's contiguous shard (without a step: the
+    row's first token)."""
+    step = active_step()
+    if step is None:
+        return torch.arange(local_tokens, device=device) == 0
+    return step.document_starts(local_tokens, device)
 
 
 @comm.eager_under_compile

@@ -16,7 +16,7 @@ from lightning_cp.core.layout.api import ContextParallelLayoutManager, ContextPa
 from lightning_cp.core.mesh import ContextParallelMesh
 from lightning_cp.core.packed import PackedSeqParams, host_copies, host_offsets
 from lightning_cp.core.sharding import ShardedBatch
-from lightning_cp.core.windows import CausalWindowPlan, build_causal_window_plan
+from lightning_cp.core.windows import CausalWindowPlan, build_causal_window_plan, shard_document_starts
 from lightning_cp.core.zigzag import (
     CPLayout,
     RankTokens,
@@ -135,6 +135,7 @@ class ContextParallelStep:
     _active_before_backward: ContextParallelStep | None = None
     _side_input_cache: dict[tuple[int, CPLayout], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _causal_window_plans: dict[tuple, tuple[CausalWindowPlan, ProcessGroup | None]] = field(default_factory=dict)
+    _document_starts: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict)
 
     @property
     def cp_size(self) -> int:
@@ -278,6 +279,16 @@ class ContextParallelStep:
             plan = dataclasses.replace(plan, **moved)
             self._causal_window_plans[key] = (plan, group if plan.exchanged_rows else None)
         return self._causal_window_plans[key]
+
+    def document_starts(self, local_tokens: int, device: torch.device) -> torch.Tensor:
+        """``[local_tokens]`` booleans: a document starts at the token of this rank's contiguous shard (every rank of
+        the loss group holds one, in rank order); built once per batch."""
+        key = (local_tokens, device)
+        if key not in self._document_starts:
+            group, tokens = self._shards_of(CPLayout.CONTIGUOUS, local_tokens)
+            ranks, rank = (1, 0) if group is None else (group.size(), group.rank())
+            self._document_starts[key] = shard_document_starts(tokens, ranks, rank).to(device)
+        return self._document_starts[key]
 
     def _shards_of(self, layout: CPLayout, local_tokens: int) -> tuple[ProcessGroup | None, RankTokens]:
         """Return the group whose ranks hold the stream's shards in ``layout`` and every rank's shard described, in

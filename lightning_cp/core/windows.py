@@ -1,5 +1,6 @@
-"""The pure plan of ``cp_causal_conv1d``: which tokens before the pieces of documents on a rank lie on other ranks,
-and how every piece is laid out behind them for one convolution without padding."""
+"""The pure plans of per-document sequence mixing: for ``cp_causal_conv1d``, which tokens before the pieces of
+documents on a rank lie on other ranks, and how every piece is laid out behind them for one convolution without
+padding; for ``cp_ssd_scan``, where documents start in a rank's shard."""
 
 from __future__ import annotations
 
@@ -77,3 +78,13 @@ def build_causal_window_plan(tokens: RankTokens, ranks: int, rank: int, count: i
         output_positions=position - count,
         exchanged_rows=pairs.numel(),
     )
+
+
+def shard_document_starts(tokens: RankTokens, ranks: int, rank: int) -> Tensor:
+    """``[local]`` booleans: a document (or the padding after the last) starts at each slot of rank ``rank``'s shard,
+    from ``tokens``: every rank's shard described in local order and concatenated in group-rank order."""
+    doc, pos = tokens.doc, tokens.pos
+    local = doc.shape[0] // ranks
+    starts = (doc >= 0) & (pos == 0)
+    starts[1:] |= doc[1:] != doc[:-1]
+    return starts[rank * local : (rank + 1) * local]

@@ -1,0 +1,76 @@
+"""Mamba2's selective state-space scan in its chunked form (state space duality), on one shard and restarting at
+document starts: the local part of ``cp_ssd_scan``, which adds the state entering the shard from the shards before."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def ssd_scan(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, starts: Tensor, chunk_size: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Scan ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T``, ``y_t = h_t C_t`` from a zero state, per document.
+
+    ``x`` ``[b, s, h, p]``, ``dt`` ``[b, s, h]`` (step sizes, already positive), ``A`` ``[h]`` (negative), ``B`` and
+    ``C`` ``[b, s, h, n]`` (one per head), ``starts`` ``[s]`` (a document starts at the token: the state before it is
+    dropped), all in the dtype to compute in. Returns the outputs ``y`` ``[b, s, h, p]``, the last state ``[b, h, p,
+    n]``, and ``entry_decay`` ``[b, s, h]``: the factor by which a state entering the shard reaches each token (0 from
+    the first document start on), so that ``y_t + entry_decay_t * (state C_t)`` is the scan from that state.
+    Chunks of ``chunk_size`` tokens attend to each other within a chunk and pass states between chunks, as Mamba2's
+    reference; every product of decays is an exponent of a difference of cumulative sums over tokens of one document.
+    """
+    batch, length, heads, _ = x.shape
+    padding = (-length) % chunk_size
+    log_decay = F.pad(dt * A, (0, 0, 0, padding))  # padded tokens decay nothing and add nothing
+    inputs = F.pad(x * dt.unsqueeze(-1), (0, 0, 0, 0, 0, padding))
+    B, C = (F.pad(tensor, (0, 0, 0, 0, 0, padding)) for tensor in (B, C))
+    segment = torch.cumsum(starts.long(), 0)  # which document run a token is in; padding continues the last
+    segment = torch.cat([segment, segment[-1:].expand(padding)])
+    chunks = (length + padding) // chunk_size
+
+    def chunked(tensor: Tensor) -> Tensor:
+        return tensor.reshape(batch, chunks, chunk_size, *tensor.shape[2:])
+
+    log_decay, inputs, B, C = (chunked(tensor) for tensor in (log_decay, inputs, B, C))
+    segment = segment.view(chunks, chunk_size)
+    cumulative = torch.cumsum(log_decay, dim=2)  # [b, c, l, h] within each chunk
+
+    # 1. within chunks: token l reads token s <= l of its own document run, decayed over (s, l]
+    pairs = (segment.unsqueeze(2) == segment.unsqueeze(1)) & torch.ones(
+        chunk_size, chunk_size, dtype=torch.bool, device=x.device
+    ).tril()
+    within = _masked_exp(cumulative.unsqueeze(3) - cumulative.unsqueeze(2), pairs[None, :, :, :, None])
+    scores = torch.einsum("bclhn,bcshn->bclsh", C, B) * within
+    y = torch.einsum("bclsh,bcshp->bclhp", scores, inputs)
+
+    # 2. each chunk's last state from a zero state at its start
+    to_end = _masked_exp(cumulative[:, :, -1:] - cumulative, (segment == segment[:, -1:])[None, :, :, None])
+    chunk_states = torch.einsum("bclhn,bclh,bclhp->bchpn", B, to_end, inputs)
+
+    # 3. the state entering each chunk (and after the last), from every earlier chunk of the same document run
+    totals = torch.cumsum(cumulative[:, :, -1], dim=1)  # [b, c, h]: decay logs up to each chunk's end
+    ends = segment[:, -1]
+    earlier = torch.ones(chunks + 1, chunks, dtype=torch.bool, device=x.device).tril(-1)
+    reaching = earlier & (F.pad(ends, (1, 0), value=-1).unsqueeze(1) == ends.unsqueeze(0))  # [target, source]
+    target_totals = F.pad(totals, (0, 0, 1, 0))
+    weights = _masked_exp(target_totals.unsqueeze(2) - totals.unsqueeze(1), reaching[None, :, :, None])
+    entering = torch.einsum("btzh,bzhpn->bthpn", weights, chunk_states)
+    final_state = entering[:, -1]
+
+    # 4. each token reads the state entering its chunk while no document started in between
+    alive = (segment == F.pad(ends[:-1], (1, 0), value=-1).unsqueeze(1))[None, :, :, None]
+    from_start = _masked_exp(cumulative, alive)
+    y = y + torch.einsum("bclhn,bchpn->bclhp", C, entering[:, :-1]) * from_start.unsqueeze(-1)
+
+    first_document = (segment == 0).flatten()[None, :, None]  # no document start at or before the token
+    entry_decay = _masked_exp(torch.cumsum(log_decay.flatten(1, 2), dim=1), first_document)
+    y = y.flatten(1, 2)[:, :length]
+    return y, final_state, entry_decay[:, :length]
+
+
+def _masked_exp(exponent: Tensor, keep: Tensor) -> Tensor:
+    """``exp(exponent)`` where ``keep``, else 0; no overflow where it is not kept (those exponents may be positive)."""
+    never = torch.full((), float("-inf"), dtype=exponent.dtype, device=exponent.device)
+    return torch.where(keep, exponent, never).exp()

@@ -1,0 +1,219 @@
+"""``cp_ssd_scan``: Mamba2's selective scan per document, on contiguous or zigzag shards, against a step-by-step scan of
+each document alone on one device (float64, 1e-12)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_cp import ContextParallelRuntime, ContextParallelSetting, cp_ssd_scan
+from lightning_cp.core.mesh import ParallelDims, build_context_parallel_mesh
+from lightning_cp.core.scan import ssd_scan
+from lightning_cp.core.windows import shard_document_starts
+from lightning_cp.core.zigzag import stream_tokens
+from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
+
+HEADS, HEAD_DIM, GROUPS, STATE = 4, 3, 2, 5
+MIXED_DOCUMENTS = (1, 13, 2, 7, 30, 3, 1, 5)
+
+
+def _stepwise_scan(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence token by token from ``state``: ``h = exp(dt A) h + dt x B^T``, ``y = h C`` (B, C per head)."""
+    outputs = []
+    for t in range(x.shape[1]):
+        decay = torch.exp(dt[:, t] * A)[..., None, None]
+        state = decay * state + (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
+        outputs.append(torch.einsum("bhpn,bhn->bhp", state, C[:, t]))
+    return torch.stack(outputs, dim=1), state
+
+
+def _per_document_scan(inputs: tuple[torch.Tensor, ...], lengths: tuple[int, ...]) -> torch.Tensor:
+    """Every document of every row scanned alone from a zero state (B, C repeated from groups to heads)."""
+    x, dt, A, B, C = inputs
+    B, C = (tensor.repeat_interleave(HEADS // GROUPS, dim=2) for tensor in (B, C))
+    zero = x.new_zeros(x.shape[0], HEADS, HEAD_DIM, STATE)
+    split = [tensor.split(list(lengths), dim=1) for tensor in (x, dt, B, C)]
+    return torch.cat([_stepwise_scan(*parts[:2], A, *parts[2:], zero)[0] for parts in zip(*split, strict=True)], dim=1)
+
+
+def _random_inputs(rows: int, total: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """x, dt (positive), A (negative), B, C in float64."""
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    dt = torch.rand(rows, total, HEADS, generator=generator, dtype=torch.float64) + 0.05
+    A = -torch.rand(HEADS, generator=generator, dtype=torch.float64) * 2
+    x = normal(rows, total, HEADS, HEAD_DIM)
+    return x, dt, A, normal(rows, total, GROUPS, STATE), normal(rows, total, GROUPS, STATE)
+
+
+def _scan_error(
+    boundary: str,
+    lengths: tuple[int, ...] | None,
+    chunk_size: int,
+    rows: int = 1,
+    tensor_parallel: int = 1,
+    ulysses: int = 1,
+    drop_last: bool = False,
+) -> list[float]:
+    """This rank's largest differences to one process: outputs and the gradients of x, dt, B, C, and (summed over the
+    ranks) A, for packed documents of ``lengths`` (None: ``rows`` dense rows of 22 tokens) given in the ``boundary``
+    layout; ``tensor_parallel`` > 1: under sequence parallelism; ``ulysses`` > 1: ``attention_mode="hybrid"``;
+    ``drop_last``: the shard given without its last token."""
+    world = dist.get_world_size()
+    mesh = build_context_parallel_mesh("cpu", ParallelDims(1, world // tensor_parallel, tensor_parallel, ulysses))
+    setting = ContextParallelSetting(
+        mesh, boundary_layout=boundary, sequence_parallel=tensor_parallel > 1,
+        attention_mode="hybrid" if ulysses > 1 else "allgather",
+    )  # fmt: skip
+    runtime = ContextParallelRuntime(setting)
+    total = 22 if lengths is None else sum(lengths)
+    generator = torch.Generator().manual_seed(5)
+    inputs = _random_inputs(rows, total, generator)
+    loss_weights = torch.randn(rows, total, HEADS, HEAD_DIM, generator=generator, dtype=torch.float64)
+    whole = [tensor.clone().requires_grad_() for tensor in inputs]
+    expected = _per_document_scan(tuple(whole), lengths or (total,))
+    (expected * loss_weights).sum().backward()
+    batch: dict[str, torch.Tensor] = {"input_ids": torch.arange(1, total + 1).repeat(rows, 1)}
+    if lengths is not None:
+        batch["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    with runtime.step(batch):
+        positions = batch["input_ids"][0] - 1  # -1: a padding slot
+        real = positions >= 0
+        taken = positions.clamp(min=0)
+        end = -1 if drop_last else None
+
+        def shard_of(tensor: torch.Tensor) -> torch.Tensor:
+            mask = real.view(1, -1, *[1] * (tensor.dim() - 2))
+            return torch.where(mask, tensor[:, taken], 0)[:, :end].detach().requires_grad_()
+
+        x, dt, B, C = (shard_of(tensor) for tensor in (inputs[0], inputs[1], inputs[3], inputs[4]))
+        A = inputs[2].clone().requires_grad_()
+        output = cp_ssd_scan(x, dt, A, B, C, chunk_size=chunk_size)
+        keep = real.view(1, -1, 1, 1)
+        (output * loss_weights[:, taken] * keep).sum().backward()
+    dist.all_reduce(A.grad, group=setting.loss_group)
+    pairs = [(output, expected), (x.grad, whole[0].grad), (dt.grad, whole[1].grad), (B.grad, whole[3].grad),
+             (C.grad, whole[4].grad)]  # fmt: skip
+    errors = []
+    for actual, reference in pairs:
+        mask = real.view(1, -1, *[1] * (actual.dim() - 2))
+        errors.append(((actual - reference[:, taken]) * mask).abs().max().item())
+    return [*errors, (A.grad - whole[2].grad).abs().max().item()]
+
+
+@pytest.mark.parametrize(
+    ("ranks", "boundary", "lengths", "chunk_size", "rows"),
+    [
+        (3, "contiguous", MIXED_DOCUMENTS, 4, 1),
+        (3, "zigzag", MIXED_DOCUMENTS, 4, 1),
+        (2, "zigzag", MIXED_DOCUMENTS, 64, 1),
+        (4, "contiguous", (60,), 3, 1),
+        (2, "zigzag", None, 5, 2),
+        (1, "zigzag", MIXED_DOCUMENTS, 4, 1),
+    ],
+    ids=["cp3-contiguous", "cp3-zigzag", "cp2-zigzag-one-chunk", "cp4-one-document-over-all-shards", "cp2-dense",
+         "cp1-packed"],
+)  # fmt: skip
+def test_the_scan_matches_each_document_alone(
+    ranks: int, boundary: str, lengths: tuple[int, ...] | None, chunk_size: int, rows: int
+) -> None:
+    """Documents of 1 to 30 tokens in contiguous shards (the scan's own layout) or zigzag ones (converted and back),
+    one document over four shards, chunks shorter and longer than the shards, two dense rows, packed documents on one
+    rank: outputs and the gradients of every input equal each document scanned alone, token by token (float64,
+    1e-12)."""
+    for errors in run_on_ranks(_scan_error, ranks, boundary, lengths, chunk_size, rows):
+        assert max(errors) <= 1e-12, errors
+
+
+@pytest.mark.parametrize(
+    ("ranks", "boundary", "lengths", "rows", "tensor_parallel", "ulysses"),
+    [
+        (4, "zigzag", MIXED_DOCUMENTS, 1, 2, 1),
+        (4, "contiguous", None, 2, 2, 1),
+        (4, "zigzag", MIXED_DOCUMENTS, 1, 1, 2),
+    ],
+    ids=["cp2xtp2-zigzag", "cp2xtp2-contiguous-dense", "hybrid-ring2xulysses2"],
+)  # fmt: skip
+def test_the_scan_on_shards_split_further(
+    ranks: int, boundary: str, lengths: tuple[int, ...] | None, rows: int, tensor_parallel: int, ulysses: int
+) -> None:
+    """Shards split over TP ranks (sequence parallelism) or the Ulysses ranks of ``hybrid``: the state passes through
+    the loss group's ranks in order (float64, 1e-12)."""
+    for errors in run_on_ranks(_scan_error, ranks, boundary, lengths, 4, rows, tensor_parallel, ulysses):
+        assert max(errors) <= 1e-12, errors
+
+
+def test_a_shard_that_is_not_the_batchs_is_refused() -> None:
+    """On every rank: a contiguous shard one token short (62 tokens, 31 per rank)."""
+    assert_same_error_on_every_rank(
+        _scan_error, 2, "contiguous", MIXED_DOCUMENTS, 4, drop_last=True,
+        match="a shard of 30 tokens in a contiguous block, where this batch puts 31 tokens on each rank",
+    )  # fmt: skip
+
+
+def test_without_a_step_each_row_is_one_document_and_shapes_are_checked() -> None:
+    """Outside a step: each row scanned alone (float64, 1e-12); a float32 input computes and returns float32; bad
+    shapes name what was given and what is expected."""
+    generator = torch.Generator().manual_seed(3)
+    inputs = _random_inputs(2, 11, generator)
+    expected = _per_document_scan(inputs, (11,))
+    torch.testing.assert_close(cp_ssd_scan(*inputs, chunk_size=4), expected, rtol=0, atol=1e-12)
+    assert cp_ssd_scan(*(tensor.float() for tensor in inputs)).dtype == torch.float32
+    x, dt, A, B, C = inputs
+    for bad in ((x, dt[..., :1], A, B, C), (x, dt, A, B[:, :, :1].expand(-1, -1, 3, -1), C), (x[0], dt, A, B, C)):
+        with pytest.raises(ValueError, match="expected x \\[b, S, heads, head_dim\\], dt \\[b, S, heads\\]"):
+            cp_ssd_scan(*bad)
+    with pytest.raises(ValueError, match="chunk_size=0"):
+        cp_ssd_scan(*inputs, chunk_size=0)
+
+
+def test_the_chunked_scan_restarts_at_document_starts_and_composes_with_an_entering_state() -> None:
+    """``ssd_scan`` on random starts and chunk sizes (float64): outputs and last state equal the token-by-token scan
+    restarted at each start; adding ``entry_decay`` times a state's read-out gives the scan from that state, and the
+    last ``entry_decay`` carries it to the end."""
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        length, chunk_size = (
+            int(torch.randint(1, 30, (1,), generator=generator)),
+            int(torch.randint(1, 9, (1,), generator=generator)),
+        )
+        x, dt, A, B, C = _random_inputs(2, length, generator)
+        B, C = (tensor.repeat_interleave(HEADS // GROUPS, dim=2) for tensor in (B, C))
+        starts = torch.rand(length, generator=generator) < 0.2
+        entering = torch.randn(2, HEADS, HEAD_DIM, STATE, generator=generator, dtype=torch.float64)
+        y, last, entry_decay = ssd_scan(x, dt, A, B, C, starts, chunk_size)
+        for state, scanned, final in ((torch.zeros_like(entering), y, last), (entering, None, None)):
+            expected, expected_last, outputs = [], state, []
+            for begin, end in _runs(starts):
+                kept = begin == 0 and not starts[0]  # the entering state reaches the first run if no start ends it
+                dropped = expected_last if kept else torch.zeros_like(state)
+                part, expected_last = _stepwise_scan(
+                    x[:, begin:end], dt[:, begin:end], A, B[:, begin:end], C[:, begin:end], dropped
+                )
+                outputs.append(part)
+            expected = torch.cat(outputs, dim=1)
+            if scanned is None:
+                readout = torch.einsum("bhpn,bshn->bshp", state, C)
+                scanned = y + entry_decay.unsqueeze(-1) * readout
+                final = last + entry_decay[:, -1, :, None, None] * state
+            torch.testing.assert_close(scanned, expected, rtol=0, atol=1e-12)
+            torch.testing.assert_close(final, expected_last, rtol=0, atol=1e-12)
+
+
+def _runs(starts: torch.Tensor) -> list[tuple[int, int]]:
+    """The token ranges between document starts (the first from token 0, starting there or not)."""
+    cuts = [0, *[int(i) for i in torch.nonzero(starts).flatten() if i > 0], starts.numel()]
+    return list(zip(cuts, cuts[1:], strict=False))
+
+
+def test_document_starts_of_a_shard() -> None:
+    """Documents of 3, 5 and 2 tokens and 2 padding slots over 3 ranks of 4: starts at stream slots 0, 3, 8 and the
+    first padding slot 10; each rank gets its own four."""
+    tokens = stream_tokens((3, 5, 2), 12)
+    shards = [shard_document_starts(tokens, 3, rank).tolist() for rank in range(3)]
+    assert shards == [[True, False, False, True], [False, False, False, False], [True, False, True, False]]
