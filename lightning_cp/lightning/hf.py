@@ -9,18 +9,21 @@ to ``cp_attention`` and raises on what it cannot do exactly; outside one, attent
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
 from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedModel
+from transformers.activations import ACT2FN
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from typing_extensions import override
 
 from lightning_cp.core import comm
-from lightning_cp.core.functional import cp_attention, cp_causal_conv1d
+from lightning_cp.core.functional import cp_attention, cp_causal_conv1d, cp_ssd_scan
 from lightning_cp.core.loss import CPLoss, cp_chunked_cross_entropy
 from lightning_cp.core.step import activated, active_step
 from lightning_cp.lightning.module import CausalLMModule
@@ -178,12 +181,119 @@ def _use_cp_short_convolutions(model: torch.nn.Module) -> None:
             module.forward = _ShortConvolutionUnderCP(module, instance_forward)
 
 
-def _exact_layer_types(model: torch.nn.Module) -> frozenset[str]:
-    """Layer types whose token mixing is exact under a step in ``model``: attention, and ``conv`` when every
-    short-convolution mixer runs ``cp_causal_conv1d``."""
+_MAMBA2_MIXERS = frozenset(
+    {"BambaMixer", "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer", "FalconH1Mixer", "Zamba2MambaMixer"}
+)
+"""Hugging Face's Mamba2 mixers in hybrid models: an input projection, a depthwise causal convolution
+(``causal_conv1d_forward``) and the selective scan (``mamba2_scan_forward``) of their modeling module, a gated norm,
+an output projection."""
+
+
+class _RoutedUnderCP:
+    """A function of a Hugging Face modeling module that, under a step, is lightning_cp's exact version (per document,
+    across the shards); outside one, the module's own (generation with its cache, kernels)."""
+
+    def __init__(self, original: Callable[..., Any], under_step: Callable[..., Any]) -> None:
+        self.original = original
+        self.under_step = under_step
+        functools.update_wrapper(self, original)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.original(*args, **kwargs) if active_step() is None else self.under_step(*args, **kwargs)
+
+
+def _no_fused_mamba2(*args: Any, **kwargs: Any) -> None:
+    """Mamba2's fused convolution-and-scan kernel under a step: none, so the mixer calls the two one by one."""
+    return None
+
+
+def _mamba2_convolution(
+    conv1d: torch.nn.Conv1d,
+    hidden_states: torch.Tensor,
+    cache: Any,
+    layer_idx: int,
+    activation: str | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """A Mamba2 mixer's convolution of ``[b, channels, S_local]`` under a step: ``cp_causal_conv1d``, then the
+    activation."""
+    _refuse_cache(cache)
+    output = cp_causal_conv1d(hidden_states.transpose(1, 2), conv1d.weight.squeeze(1), conv1d.bias)
+    output = output if activation is None else ACT2FN[activation](output)
+    return output.transpose(1, 2)
+
+
+def _mamba2_scan(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    dt: torch.Tensor,
+    cache: Any,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """A Mamba2 mixer's selective scan under a step: its step sizes and decays as Hugging Face's reference scan makes
+    them, ``cp_ssd_scan``, and the ``D`` skip; ``[b, S_local, heads * head_dim]`` in at least float32."""
+    _refuse_cache(cache)
+    rows, length, _ = hidden_states.shape
+    dt = F.softplus(dt + module.dt_bias.to(dt.dtype)).clamp(*module.time_step_limit)
+    x = hidden_states.view(rows, length, module.num_heads, module.head_dim)
+    B, C = (tensor.view(rows, length, module.n_groups, module.ssm_state_size) for tensor in (B, C))
+    y = cp_ssd_scan(x, dt, -torch.exp(module.A_log.float()), B, C, chunk_size=module.chunk_size)
+    return (y + module.D[:, None] * x.to(y.dtype)).reshape(rows, length, -1)
+
+
+def _refuse_cache(cache: Any) -> None:
+    """Raise when a mixer under a step is given a cache: a step trains on whole documents, not token by token."""
+    if cache is not None:
+        raise ValueError("a cache under a CP step: pass use_cache=False (steps train on whole documents)")
+
+
+_MAMBA2_ROUTES = {
+    "mamba2_split_conv1d_scan_combined": _no_fused_mamba2,
+    "causal_conv1d_forward": _mamba2_convolution,
+    "mamba2_scan_forward": _mamba2_scan,
+}
+
+
+def _mamba2_modeling_module(mixer: torch.nn.Module) -> Any:
+    """The modeling module whose functions ``mixer``'s forward calls (that of its Hugging Face class, past wrappers)."""
+    cls = next(cls for cls in type(mixer).__mro__ if cls.__name__ in _MAMBA2_MIXERS)
+    return sys.modules[cls.__module__]
+
+
+def _use_cp_mamba2_scans(model: torch.nn.Module) -> None:
+    """Route the convolution and scan of every Mamba2 mixer family in ``model`` through lightning_cp under a step
+    (its modeling module's functions; weights, forward and everything outside a step unchanged)."""
+    for mixer in model.modules():
+        if comm.original_class_name(mixer) not in _MAMBA2_MIXERS:
+            continue
+        modeling = _mamba2_modeling_module(mixer)
+        for name, under_step in _MAMBA2_ROUTES.items():
+            if not isinstance(original := getattr(modeling, name), _RoutedUnderCP):
+                setattr(modeling, name, _RoutedUnderCP(original, under_step))
+
+
+def _mamba2_mixers_routed(model: torch.nn.Module) -> int:
+    """How many Mamba2 mixers of ``model`` run their convolution and scan through lightning_cp under a step."""
+    mixers = [module for module in model.modules() if comm.original_class_name(module) in _MAMBA2_MIXERS]
+    modelings = [_mamba2_modeling_module(mixer) for mixer in mixers]
+    return sum(all(isinstance(getattr(m, name), _RoutedUnderCP) for name in _MAMBA2_ROUTES) for m in modelings)
+
+
+def _exact_layer_types(model: torch.nn.Module, layer_types: tuple[str, ...]) -> frozenset[str]:
+    """Layer types whose token mixing is exact under a step in ``model``: attention; ``conv`` when every
+    short-convolution mixer runs ``cp_causal_conv1d``; ``linear_attention`` and ``hybrid`` when each such layer holds a
+    Mamba2 mixer routed through ``cp_causal_conv1d`` and ``cp_ssd_scan`` (other linear attention, such as the gated
+    delta rule, is not)."""
+    exact = set(_TOKEN_WISE_LAYER_TYPES)
     mixers = [module for module in model.modules() if comm.original_class_name(module) in _SHORT_CONVOLUTIONS]
-    converted = bool(mixers) and all(isinstance(mixer.forward, _ShortConvolutionUnderCP) for mixer in mixers)
-    return _TOKEN_WISE_LAYER_TYPES | {"conv"} if converted else _TOKEN_WISE_LAYER_TYPES
+    if mixers and all(isinstance(mixer.forward, _ShortConvolutionUnderCP) for mixer in mixers):
+        exact.add("conv")
+    scanned = sum(kind in ("linear_attention", "hybrid") for kind in layer_types)
+    if scanned and _mamba2_mixers_routed(model) == scanned:
+        exact |= {"linear_attention", "hybrid"}
+    return frozenset(exact)
 
 
 def _row_order_problems(model: torch.nn.Module) -> list[str]:
@@ -192,8 +302,8 @@ def _row_order_problems(model: torch.nn.Module) -> list[str]:
     hybrid models, convolutions other than the LFM2 family's) and Llama 4's attention temperature on its NoPE layers
     (from row positions)."""
     text = model.config.get_text_config()
-    layer_types = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None) or ()
-    others = sorted({str(kind) for kind in layer_types} - _exact_layer_types(model))
+    layer_types = tuple(getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None) or ())
+    others = sorted({str(kind) for kind in layer_types} - _exact_layer_types(model, layer_types))
     problems = [f"layers of type {', '.join(others)}"] if others else []
     if getattr(text, "attn_temperature_tuning", False) and 0 in (getattr(text, "no_rope_layers", None) or ()):
         problems.append("attn_temperature_tuning on NoPE layers")
@@ -265,6 +375,7 @@ class HFCausalLM(CausalLMModule):
             model = model_or_path
             model.set_attn_implementation(ATTENTION_NAME)
         _use_cp_short_convolutions(model)
+        _use_cp_mamba2_scans(model)
         if getattr(model.config.get_text_config(), "alibi", False):
             raise ValueError(
                 f"{type(model).__name__} uses ALiBi position biases, which the '{ATTENTION_NAME}' attention cannot add"
