@@ -60,7 +60,9 @@ FAMILIES = {
         **SMALL, **MAMBA2, layer_types=["mamba", "attention"], num_local_experts=2, num_experts_per_tok=1,
         shared_intermediate_size=16, experts_implementation="eager",
     ),
-    "falcon_h1": lambda: transformers.FalconH1Config(**SMALL, **MAMBA2, head_dim=8, mamba_d_ssm=64),
+    "falcon_h1": lambda: transformers.FalconH1Config(
+        **SMALL, **MAMBA2, head_dim=8, mamba_d_ssm=64, mamba_rms_norm=True
+    ),
     "nemotron_h": lambda: transformers.NemotronHConfig(
         **{**SMALL, "num_hidden_layers": 3}, hybrid_override_pattern="M*-", head_dim=8, mamba_num_heads=4,
         mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=4, expand=2,
@@ -83,6 +85,10 @@ def tiny_model(family: str, attention: str = "sdpa", lora: bool = False) -> tran
     config = FAMILIES[family]()
     config._attn_implementation = attention
     model = transformers.AutoModelForCausalLM.from_config(config).double()
+    for module in model.modules():  # Mamba2 scans: decays near 1, so states carry over the documents and shards
+        if hasattr(module, "A_log") and hasattr(module, "dt_bias"):
+            module.A_log.data.uniform_(-4.0, -2.0)
+            module.dt_bias.data.fill_(-1.0)
     if lora:
         adapters = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
         model = get_peft_model(model, adapters).double()
@@ -349,16 +355,17 @@ def _fit_bf16_mixed(world: int, family: str) -> list[float]:
     return recorder.losses
 
 
-@pytest.mark.parametrize("family", ["llama", "lfm2", "bamba"])
-def test_bf16_mixed_fine_tuning_under_cp_matches_one_device_within_bf16_rounding(family):
+@pytest.mark.parametrize(("family", "tolerance"), [("llama", 2e-3), ("lfm2", 2e-3), ("bamba", 5e-4)])
+def test_bf16_mixed_fine_tuning_under_cp_matches_one_device_within_bf16_rounding(family, tolerance):
     """Under autocast a Hugging Face layer hands the attention float32 q, k (rotated by float32 cos/sin) and a bf16
     v: ``cp_attention`` casts them to the autocast's dtype as SDPA does, and cp=2 trains like the float64 reference
-    (relative 2e-3); LFM2's convolutions run in bf16 under autocast too, Bamba's scan in float32 from bf16 inputs."""
+    (relative 2e-3); LFM2's convolutions run in bf16 under autocast too. Bamba's scan computes in float32 from bf16
+    projections (relative 5e-4: a state leaking across documents or shards costs 2e-3 in its first loss)."""
     expected, _ = reference_losses(family, make_batches("packed")[1])
     for losses in run_on_ranks(_fit_bf16_mixed, 2, 2, family, init_process_group=False):
         assert len(losses) == STEPS
         for actual, reference in zip(losses, expected, strict=True):
-            assert abs(actual - reference) <= 2e-3 * abs(reference), (actual, reference)
+            assert abs(actual - reference) <= tolerance * abs(reference), (actual, reference)
 
 
 def _bypassed_attention() -> None:
