@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy
 from lightning_cp.core.step import ContextParallelStep, activated
 from lightning_cp.hf import HFCausalLM
-from lightning_cp.lightning.hf import _MAMBA2_ROUTES, _no_mask, _RoutedUnderCP
+from lightning_cp.lightning.hf import _MAMBA2_ROUTES, _no_mask, _RoutedUnderCP, _row_order_problems
 from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
 from tests.model_helpers import ATTENTION, POLICY, TRAINER_OPTIONS, TinyTransformer, packed_batches
 
@@ -659,6 +659,31 @@ def test_outside_a_step_a_mamba2_model_computes_with_its_own_functions(monkeypat
     step = ContextParallelStep(stream_length=10, sequence_length=10)
     with activated(step), torch.no_grad(), pytest.raises(ValueError, match="pass use_cache=False"):
         wrapped(ids, use_cache=True)
+
+
+class BambaMixer(torch.nn.Module):
+    """A Mamba2 mixer by its class name, from a module without the functions the library routes (as in older
+    transformers releases or remote code): a running sum along the row."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(hidden_size, hidden_size, dtype=torch.float64)
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.proj(hidden_states).cumsum(dim=1)
+
+
+def test_a_mamba2_family_without_the_routed_functions_still_builds_and_stays_refused():
+    """The model builds and trains at cp=1 on one document per row as before, and its Mamba2 layers stay refused
+    under CP (before, an ``AttributeError`` when the module was built)."""
+    model = tiny_model("bamba")
+    layer = next(module for module in model.modules() if hasattr(module, "mamba"))
+    layer.mamba = BambaMixer(model.config.hidden_size)
+    module = HFCausalLM(model)
+    assert _row_order_problems(module.model) == ["layers of type linear_attention"]
+    document = make_batches("packed", 1)[1][0][0]
+    loss, _ = module._loss({"input_ids": torch.tensor([document])})
+    assert torch.isfinite(loss.mean)
 
 
 def test_a_short_convolution_keeps_a_forward_its_instance_had_outside_a_step():

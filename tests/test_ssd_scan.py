@@ -59,11 +59,13 @@ def _scan_error(
     tensor_parallel: int = 1,
     ulysses: int = 1,
     drop_last: bool = False,
+    mixed: bool = False,
 ) -> list[float]:
     """This rank's largest differences to one process: outputs and the gradients of x, dt, B, C, and (summed over the
     ranks) A, for packed documents of ``lengths`` (None: ``rows`` dense rows of 22 tokens) given in the ``boundary``
     layout; ``tensor_parallel`` > 1: under sequence parallelism; ``ulysses`` > 1: ``attention_mode="hybrid"``;
-    ``drop_last``: the shard given without its last token."""
+    ``drop_last``: the shard given without its last token; ``mixed``: x, B, C in bf16 and dt in float32, as under
+    autocast (the reference: the same rounded values in float64), and only the output's relative error."""
     world = dist.get_world_size()
     mesh = build_context_parallel_mesh("cpu", ParallelDims(1, world // tensor_parallel, tensor_parallel, ulysses))
     setting = ContextParallelSetting(
@@ -74,8 +76,10 @@ def _scan_error(
     total = 22 if lengths is None else sum(lengths)
     generator = torch.Generator().manual_seed(5)
     inputs = _random_inputs(rows, total, generator)
+    if mixed:
+        inputs = tuple(tensor.to(torch.float32 if i == 1 else torch.bfloat16) for i, tensor in enumerate(inputs))
     loss_weights = torch.randn(rows, total, HEADS, HEAD_DIM, generator=generator, dtype=torch.float64)
-    whole = [tensor.clone().requires_grad_() for tensor in inputs]
+    whole = [tensor.double().clone().requires_grad_() for tensor in inputs]
     expected = _per_document_scan(tuple(whole), lengths or (total,))
     (expected * loss_weights).sum().backward()
     batch: dict[str, torch.Tensor] = {"input_ids": torch.arange(1, total + 1).repeat(rows, 1)}
@@ -94,6 +98,9 @@ def _scan_error(
         x, dt, B, C = (shard_of(tensor) for tensor in (inputs[0], inputs[1], inputs[3], inputs[4]))
         A = inputs[2].clone().requires_grad_()
         output = cp_ssd_scan(x, dt, A, B, C, chunk_size=chunk_size)
+        if mixed:
+            scale = expected.abs().max()
+            return [((output - expected[:, taken]) * real.view(1, -1, 1, 1)).abs().max().item() / scale.item()]
         keep = real.view(1, -1, 1, 1)
         (output * loss_weights[:, taken] * keep).sum().backward()
     dist.all_reduce(A.grad, group=setting.loss_group)
@@ -146,6 +153,14 @@ def test_the_scan_on_shards_split_further(
     the loss group's ranks in order (float64, 1e-12)."""
     for errors in run_on_ranks(_scan_error, ranks, boundary, lengths, 4, rows, tensor_parallel, ulysses):
         assert max(errors) <= 1e-12, errors
+
+
+def test_step_sizes_keep_their_precision_through_a_conversion() -> None:
+    """x, B, C in bf16 and dt in float32 (a Mamba2 layer under autocast) given zigzag at cp 2: the scan sees dt as
+    given and computes in float32 (relative 1e-5 to the same rounded values scanned in float64; before, dt was
+    converted to the shards in bf16 next to x and off by 1e-3)."""
+    for errors in run_on_ranks(_scan_error, 2, "zigzag", MIXED_DOCUMENTS, 4, mixed=True):
+        assert max(errors) <= 1e-5, errors
 
 
 def test_a_shard_that_is_not_the_batchs_is_refused() -> None:
@@ -203,6 +218,31 @@ def test_the_chunked_scan_restarts_at_document_starts_and_composes_with_an_enter
                 final = last + entry_decay[:, -1, :, None, None] * state
             torch.testing.assert_close(scanned, expected, rtol=0, atol=1e-12)
             torch.testing.assert_close(final, expected_last, rtol=0, atol=1e-12)
+
+
+def test_long_shards_with_heavy_then_light_decay_keep_float32_precision() -> None:
+    """64 tokens of heavy decay (log decay -160 and -40 a token), then 32 of light: in float32 the scan stays within
+    1e-6 of float64 (relative), as the decays between chunks are summed over those chunks alone (before, differences
+    of sums over the whole shard lost 2e-4)."""
+    generator = torch.Generator().manual_seed(4)
+    x, _, _, B, C = _random_inputs(1, 96, generator)
+    B, C = (tensor.repeat_interleave(HEADS // GROUPS, dim=2) for tensor in (B, C))
+    dt = torch.full((1, 96, HEADS), 1e-3, dtype=torch.float64)
+    dt[:, :64] = 20.0
+    A = torch.tensor([-8.0, -2.0, -1.0, -0.5], dtype=torch.float64)
+    starts = torch.zeros(96, dtype=torch.bool)
+    expected = ssd_scan(x, dt, A, B, C, starts, 4)[0]
+    got = ssd_scan(*(tensor.float() for tensor in (x, dt, A, B, C)), starts, 4)[0]
+    assert (got.double() - expected).abs().max() <= 1e-6 * expected.abs().max()
+
+
+def test_under_autocast_the_scan_computes_in_float32() -> None:
+    """A bf16 autocast changes nothing: the products and sums stay in float32 (before, its einsums ran in bf16)."""
+    inputs = tuple(tensor.float() for tensor in _random_inputs(1, 40, torch.Generator().manual_seed(6)))
+    expected = cp_ssd_scan(*inputs, chunk_size=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = cp_ssd_scan(*inputs, chunk_size=8)
+    assert got.dtype == torch.float32 and torch.equal(got, expected)
 
 
 def _runs(starts: torch.Tensor) -> list[tuple[int, int]]:

@@ -6,6 +6,8 @@ the shards before."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
@@ -222,11 +224,11 @@ def cp_ssd_scan(
 
     ``x`` ``[b, S_local, heads, head_dim]``, ``dt`` ``[b, S_local, heads]`` (step sizes after bias, softplus and
     limits), ``A`` ``[heads]`` (negative), ``B`` and ``C`` ``[b, S_local, groups, state]`` (``heads`` divisible by
-    ``groups``); returns ``y`` ``[b, S_local, heads, head_dim]`` without the ``D`` skip, computed and returned in at
-    least float32 (as Mamba2's reference scan). Under an active step each rank scans its contiguous shard in chunks of
-    ``chunk_size`` tokens, then adds the state entering it from the shards before (one all-gather of one state per
-    rank); in a block that runs in another layout the inputs are converted to contiguous shards and the output back.
-    Without a step each row is one document."""
+    ``groups``); returns ``y`` ``[b, S_local, heads, head_dim]`` without the ``D`` skip, computed (also under
+    autocast) and returned in the widest of the inputs' dtypes and float32. Under an active step each rank scans its
+    contiguous shard in chunks of ``chunk_size`` tokens, then adds the state entering it from the shards before (one
+    all-gather of one state per rank); in a block that runs in another layout the inputs are converted to contiguous
+    shards and the output back. Without a step each row is one document."""
     rows, length, heads = x.shape[:3] if x.dim() == 4 else (0, 0, 0)
     groups = B.shape[2] if B.dim() == 4 else 0
     if (
@@ -238,7 +240,7 @@ def cp_ssd_scan(
             f"C {tuple(C.shape)}, chunk_size={chunk_size}; expected x [b, S, heads, head_dim], dt [b, S, heads], "
             "A [heads], B and C [b, S, groups, state] with heads divisible by groups, chunk_size >= 1"
         )
-    dtype = torch.promote_types(torch.promote_types(x.dtype, B.dtype), torch.float32)
+    dtype = functools.reduce(torch.promote_types, (x.dtype, dt.dtype, B.dtype, C.dtype), torch.float32)
     step = active_step()
     group, layout = None, CPLayout.CONTIGUOUS
     if step is not None:
@@ -246,20 +248,22 @@ def cp_ssd_scan(
         group, layout = step.loss_group, step.current_layout if step.cp_size > 1 else CPLayout.CONTIGUOUS
         if group is not None and comm.group_size(group) == 1:
             group = None
-    if layout is not CPLayout.CONTIGUOUS:  # one conversion of all four inputs, in their own dtype
-        widths = [x[0, 0].numel(), heads, B[0, 0].numel(), C[0, 0].numel()]
-        inputs = torch.cat([tensor.reshape(rows, length, -1).to(x.dtype) for tensor in (x, dt, B, C)], dim=-1)
+    if layout is not CPLayout.CONTIGUOUS:  # x, B, C in one conversion (in their wider dtype), dt in its own
+        wide = functools.reduce(torch.promote_types, (x.dtype, B.dtype, C.dtype))
+        widths = [x[0, 0].numel(), B[0, 0].numel(), C[0, 0].numel()]
+        inputs = torch.cat([tensor.reshape(rows, length, -1).to(wide) for tensor in (x, B, C)], dim=-1)
         inputs = step.convert(inputs, layout, CPLayout.CONTIGUOUS)
-        shapes = (x.shape[2:], (heads,), B.shape[2:], C.shape[2:])  # the contiguous shard's length may differ
-        parts = zip(inputs.split(widths, dim=-1), shapes, strict=True)
-        x, dt, B, C = (part.reshape(rows, -1, *shape) for part, shape in parts)
+        dt = step.convert(dt, layout, CPLayout.CONTIGUOUS)  # the contiguous shard's length may differ
+        parts = zip(inputs.split(widths, dim=-1), (x.shape[2:], B.shape[2:], C.shape[2:]), strict=True)
+        x, B, C = (part.reshape(rows, dt.shape[1], *shape) for part, shape in parts)
     starts = _document_starts(x.shape[1], x.device)
-    x, dt, A, B, C = (tensor.to(dtype) for tensor in (x, dt, A, B, C))
-    B, C = (tensor.repeat_interleave(heads // groups, dim=2) for tensor in (B, C))
-    y, final_state, entry_decay = ssd_scan(x, dt, A, B, C, starts, chunk_size)
-    if group is not None:
-        entering = _state_entering_shard(final_state, entry_decay[:, -1, :, None, None], group)
-        y = y + torch.einsum("bshn,bhpn->bshp", C, entering) * entry_decay.unsqueeze(-1)
+    with torch.autocast(x.device.type, enabled=False):  # products and sums in ``dtype``, whatever autocast's is
+        x, dt, A, B, C = (tensor.to(dtype) for tensor in (x, dt, A, B, C))
+        B, C = (tensor.repeat_interleave(heads // groups, dim=2) for tensor in (B, C))
+        y, final_state, entry_decay = ssd_scan(x, dt, A, B, C, starts, chunk_size)
+        if group is not None:
+            entering = _state_entering_shard(final_state, entry_decay[:, -1, :, None, None], group)
+            y = y + torch.einsum("bshn,bhpn->bshp", C, entering) * entry_decay.unsqueeze(-1)
     return step.convert(y, CPLayout.CONTIGUOUS, layout) if layout is not CPLayout.CONTIGUOUS else y
 
 

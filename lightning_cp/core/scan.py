@@ -41,7 +41,7 @@ def ssd_scan(
     pairs = (segment.unsqueeze(2) == segment.unsqueeze(1)) & torch.ones(
         chunk_size, chunk_size, dtype=torch.bool, device=x.device
     ).tril()
-    within = _masked_exp(cumulative.unsqueeze(3) - cumulative.unsqueeze(2), pairs[None, :, :, :, None])
+    within = _masked_exp(_segment_sums(log_decay.transpose(2, 3)).permute(0, 1, 3, 4, 2), pairs[None, :, :, :, None])
     scores = torch.einsum("bclhn,bcshn->bclsh", C, B) * within
     y = torch.einsum("bclsh,bcshp->bclhp", scores, inputs)
 
@@ -49,13 +49,13 @@ def ssd_scan(
     to_end = _masked_exp(cumulative[:, :, -1:] - cumulative, (segment == segment[:, -1:])[None, :, :, None])
     chunk_states = torch.einsum("bclhn,bclh,bclhp->bchpn", B, to_end, inputs)
 
-    # 3. the state entering each chunk (and after the last), from every earlier chunk of the same document run
-    totals = torch.cumsum(cumulative[:, :, -1], dim=1)  # [b, c, h]: decay logs up to each chunk's end
+    # 3. the state entering each chunk (and after the last), from every earlier chunk of the same document run,
+    # decayed over the chunks in between (sums over them, not differences of sums over the whole shard)
+    between = _segment_sums(F.pad(cumulative[:, :, -1].transpose(1, 2), (1, 0)))[..., 1:]  # [b, h, target, source]
     ends = segment[:, -1]
     earlier = torch.ones(chunks + 1, chunks, dtype=torch.bool, device=x.device).tril(-1)
     reaching = earlier & (F.pad(ends, (1, 0), value=-1).unsqueeze(1) == ends.unsqueeze(0))  # [target, source]
-    target_totals = F.pad(totals, (0, 0, 1, 0))
-    weights = _masked_exp(target_totals.unsqueeze(2) - totals.unsqueeze(1), reaching[None, :, :, None])
+    weights = _masked_exp(between.permute(0, 2, 3, 1), reaching[None, :, :, None])
     entering = torch.einsum("btzh,bzhpn->bthpn", weights, chunk_states)
     final_state = entering[:, -1]
 
@@ -68,6 +68,15 @@ def ssd_scan(
     entry_decay = _masked_exp(torch.cumsum(log_decay.flatten(1, 2), dim=1), first_document)
     y = y.flatten(1, 2)[:, :length]
     return y, final_state, entry_decay[:, :length]
+
+
+def _segment_sums(values: Tensor) -> Tensor:
+    """``[..., n, n]``: entry ``[i, j]`` is the sum of ``values[..., k]`` over ``j < k <= i`` (0 where ``j >= i``), each
+    summed on its own rather than as a difference of running sums, which loses digits once those grow large."""
+    length = values.shape[-1]
+    expanded = values.unsqueeze(-1).expand(*values.shape, length)  # [..., k, j]
+    after = torch.ones(length, length, dtype=torch.bool, device=values.device).tril(-1)  # k > j
+    return expanded.masked_fill(~after, 0).cumsum(dim=-2)
 
 
 def _masked_exp(exponent: Tensor, keep: Tensor) -> Tensor:

@@ -218,9 +218,10 @@ def _mamba2_convolution(
     """A Mamba2 mixer's convolution of ``[b, channels, S_local]`` under a step: ``cp_causal_conv1d``, then the
     activation."""
     _refuse_cache(cache)
-    output = cp_causal_conv1d(hidden_states.transpose(1, 2), conv1d.weight.squeeze(1), conv1d.bias)
+    weight = conv1d.weight.squeeze(1)  # the convolution and its activation in the weight's dtype, as the module's own
+    output = cp_causal_conv1d(hidden_states.transpose(1, 2).to(weight.dtype), weight, conv1d.bias)
     output = output if activation is None else ACT2FN[activation](output)
-    return output.transpose(1, 2)
+    return output.transpose(1, 2).to(hidden_states.dtype)
 
 
 def _mamba2_scan(
@@ -264,11 +265,14 @@ def _mamba2_modeling_module(mixer: torch.nn.Module) -> Any:
 
 def _use_cp_mamba2_scans(model: torch.nn.Module) -> None:
     """Route the convolution and scan of every Mamba2 mixer family in ``model`` through lightning_cp under a step
-    (its modeling module's functions; weights, forward and everything outside a step unchanged)."""
+    (its modeling module's functions; weights, forward and everything outside a step unchanged). A modeling module
+    without those functions (older transformers, remote code) is left alone: its layers stay refused at cp > 1."""
     for mixer in model.modules():
         if comm.original_class_name(mixer) not in _MAMBA2_MIXERS:
             continue
         modeling = _mamba2_modeling_module(mixer)
+        if not all(callable(getattr(modeling, name, None)) for name in _MAMBA2_ROUTES):
+            continue
         for name, under_step in _MAMBA2_ROUTES.items():
             if not isinstance(original := getattr(modeling, name), _RoutedUnderCP):
                 setattr(modeling, name, _RoutedUnderCP(original, under_step))
@@ -278,7 +282,8 @@ def _mamba2_mixers_routed(model: torch.nn.Module) -> int:
     """How many Mamba2 mixers of ``model`` run their convolution and scan through lightning_cp under a step."""
     mixers = [module for module in model.modules() if comm.original_class_name(module) in _MAMBA2_MIXERS]
     modelings = [_mamba2_modeling_module(mixer) for mixer in mixers]
-    return sum(all(isinstance(getattr(m, name), _RoutedUnderCP) for name in _MAMBA2_ROUTES) for m in modelings)
+    routed = [all(isinstance(getattr(m, name, None), _RoutedUnderCP) for name in _MAMBA2_ROUTES) for m in modelings]
+    return sum(routed)
 
 
 def _exact_layer_types(model: torch.nn.Module, layer_types: tuple[str, ...]) -> frozenset[str]:
