@@ -19,7 +19,8 @@ def ssd_scan(
     n]``, and ``entry_decay`` ``[b, s, h]``: the factor by which a state entering the shard reaches each token (0 from
     the first document start on), so that ``y_t + entry_decay_t * (state C_t)`` is the scan from that state.
     Chunks of ``chunk_size`` tokens attend to each other within a chunk and pass states between chunks, as Mamba2's
-    reference; every product of decays is an exponent of a difference of cumulative sums over tokens of one document.
+    reference; every product of decays is the exponential of log decays summed over tokens of one document run (over
+    a chunk at most, or over whole chunks between two), masked before the exponential.
     """
     batch, length, heads, _ = x.shape
     padding = (-length) % chunk_size
