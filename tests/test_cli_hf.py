@@ -53,19 +53,29 @@ def pretrained(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def pretrained_hybrid(pretrained: Path, tmp_path_factory) -> Path:
-    """The same tokenizer with a tiny float32 LFM2 (a short-convolution layer, then an attention layer)."""
-    folder = tmp_path_factory.mktemp("pretrained_hybrid")
+@pytest.fixture(scope="module", params=["lfm2", "bamba"])
+def pretrained_hybrid(pretrained: Path, tmp_path_factory, request) -> Path:
+    """The same tokenizer with a tiny float32 hybrid: LFM2 (a short-convolution layer, then an attention layer) or
+    Bamba (a Mamba2 layer, then an attention layer)."""
+    folder = tmp_path_factory.mktemp(f"pretrained_{request.param}")
     tokenizer = transformers.AutoTokenizer.from_pretrained(pretrained)
     tokenizer.save_pretrained(folder)
-    config = transformers.Lfm2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, layer_types=["conv", "full_attention"],
-        block_auto_adjust_ff_dim=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )  # fmt: skip
+    common = {
+        "vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128, "bos_token_id": 1,
+        "eos_token_id": 2, "pad_token_id": 0,
+    }  # fmt: skip
+    if request.param == "lfm2":
+        config = transformers.Lfm2Config(
+            **common, layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False
+        )
+    else:
+        config = transformers.BambaConfig(
+            **common, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
+            mamba_chunk_size=8, mamba_expand=2,
+        )  # fmt: skip
     torch.manual_seed(0)
-    transformers.Lfm2ForCausalLM(config).save_pretrained(folder)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return folder
 
 
@@ -129,8 +139,8 @@ def test_fine_tuning_a_pretrained_folder(pretrained: Path, tmp_path: Path) -> No
 
 
 def test_fine_tuning_a_pretrained_hybrid_folder(pretrained_hybrid: Path, tmp_path: Path) -> None:
-    """An LFM2 folder (short convolutions and attention) at cp=2 with ring attention writes cp=1's float64 losses on
-    prompt/completion data packed several examples to a row."""
+    """A hybrid folder (LFM2's short convolutions or Bamba's Mamba2 layers, and attention) at cp=2 with ring attention
+    writes cp=1's float64 losses on prompt/completion data packed several examples to a row."""
     common = [
         f"model.pretrained={pretrained_hybrid}", f"data.sources=[{_write(tmp_path / 'p.jsonl', PROMPTS * 2)}]",
         f"data.val_sources=[{_write(tmp_path / 'v.jsonl', VAL)}]", "data.tokens_per_sample=32",
