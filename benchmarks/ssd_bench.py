@@ -6,7 +6,8 @@ each candidate timed in turn within every repetition:
 - ``ours``: ``cp_ssd_scan`` on the same sequence without a step;
 - ``ours packed``: ``cp_ssd_scan`` under a one-process step on documents of 1 to 4k tokens (2k on average), restarting
   at each document's start (what ``hf`` cannot do on a packed row).
-The table shows medians and ratios to ``hf``.
+The table shows medians and ratios to ``hf``, and each candidate's peak memory: the growth of the resident set during
+one forward + backward, measured alone after the timings.
 
 Run: ``python benchmarks/ssd_bench.py`` (``--quick`` for one size); the table is printed and saved to
 ``benchmarks/results/ssd_bench.md``.
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from memory_bench import proc_status_mib, reset_peak
 from transformers.models.bamba.modeling_bamba import mamba2_chunk_scan
 
 from lightning_cp import ContextParallelRuntime, ContextParallelSetting, cp_ssd_scan
@@ -88,6 +90,18 @@ def measure(tokens: int, repeats: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def peak_mib(tokens: int) -> dict[str, float]:
+    """Each candidate's resident-set growth during one forward + backward, run alone after a reset of the peak."""
+    candidates = _candidates(tokens)
+    peaks = {}
+    for name in CANDIDATES:
+        reset_peak()
+        before = proc_status_mib("VmRSS")
+        candidates[name]()
+        peaks[name] = proc_status_mib("VmHWM") - before
+    return peaks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4k tokens only")
@@ -102,13 +116,17 @@ def main() -> None:
         f"Forward + backward, one process, one thread, float32, {HEADS} heads x {HEAD_DIM}, state {STATE}, chunks of "
         f"{CHUNK}; medians of {args.repeats} ({platform.machine()}, torch {torch.__version__}).",
         "",
-        "| tokens | hf (ms) | ours (ms) | ours packed (ms) | ours / hf | ours packed / hf |",
-        "|---|---|---|---|---|---|",
+        "| tokens | hf (ms) | ours (ms) | ours packed (ms) | ours / hf | ours packed / hf | peak MiB hf / ours / ours "
+        "packed |",
+        "|---|---|---|---|---|---|---|",
     ]
     for tokens in sizes:
         times = measure(tokens, args.repeats)
         hf, ours, packed = (times[name] * 1e3 for name in CANDIDATES)
-        lines.append(f"| {tokens} | {hf:.1f} | {ours:.1f} | {packed:.1f} | {ours / hf:.2f} | {packed / hf:.2f} |")
+        peaks = " / ".join(f"{peak:.0f}" for peak in peak_mib(tokens).values())
+        lines.append(
+            f"| {tokens} | {hf:.1f} | {ours:.1f} | {packed:.1f} | {ours / hf:.2f} | {packed / hf:.2f} | {peaks} |"
+        )
         print(lines[-1], flush=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text("\n".join(lines) + "\n")
