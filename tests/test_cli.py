@@ -124,8 +124,8 @@ def test_a_built_in_checkpoint_with_model_pretrained_names_that_mismatch(full_ru
 
 
 def test_the_hybrid_config_matches_one_device_with_one_conversion_per_layout_change(tmp_path: Path) -> None:
-    """Attention and recurrent blocks in turn (4 layers): cp=2 writes cp=1's float64 losses (relative 1e-9), with 4
-    layout conversions per forward."""
+    """Attention blocks in turn with a recurrent and a Mamba2 block (4 layers): cp=2 writes cp=1's float64 losses
+    (relative 1e-9), with 4 layout conversions per forward."""
     parity = [*SHORT[2:], "model.num_layers=4", "trainer.max_steps=4", "trainer.val_check_interval=2"]
     for devices in (1, 2):
         overrides = [f"trainer.devices={devices}", f"strategy.context_parallel_size={devices}"]

@@ -58,9 +58,9 @@ def test_defaults_then_file_then_overrides(tmp_path) -> None:
         (
             ["model.layer_types=[attention,recurrent]"],
             r"model.layer_types: got \['attention', 'recurrent'\]; "
-            r"expected 4 entries \(num_layers\), each one of \('attention', 'recurrent', 'convolution'\)",
+            r"expected 4 entries \(num_layers\), each one of \('attention', 'recurrent', 'convolution', 'mamba'\)",
         ),
-        (["model.layer_types=[attention,mamba,attention,attention]"], r"model.layer_types: got .*'mamba'"),
+        (["model.layer_types=[attention,delta_rule,attention,attention]"], r"model.layer_types: got .*'delta_rule'"),
         (
             [
                 "model.layer_types=[attention,recurrent,attention,recurrent]",
@@ -108,7 +108,7 @@ def test_every_packaged_config_loads_by_name_and_path() -> None:
     cp4 = load_config(str(REPO / "configs" / "cp4_cpu.yaml"))
     assert cp4.strategy.context_parallel_size == 4 and cp4.trainer.devices == 4
     hybrid = load_config("hybrid")
-    assert list(hybrid.model.layer_types) == ["attention", "recurrent", "attention", "recurrent"]
+    assert list(hybrid.model.layer_types) == ["attention", "recurrent", "attention", "mamba"]
 
 
 def test_print_config_prints_the_merged_yaml(capsys) -> None:

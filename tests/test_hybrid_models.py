@@ -36,7 +36,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "built-in": lambda: LlamaDecoder(
         LlamaConfig(
             hidden_size=16, num_layers=4, num_heads=2, num_kv_heads=1, intermediate_size=32,
-            layer_types=["attention", "recurrent", "recurrent", "convolution"],
+            layer_types=["attention", "recurrent", "mamba", "convolution"],
         )
     ),
 }  # fmt: skip
@@ -88,8 +88,9 @@ def _context_parallel(name: str, lengths: tuple[int, ...]) -> tuple[float, dict[
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("cp", [2, 3])
 def test_a_hybrid_model_at_cp_equals_one_process(cp: int, model: str, documents: str) -> None:
-    """Attention blocks on zigzag shards, recurrent blocks (a short convolution and a gated linear recurrence) on
-    contiguous ones: the loss and every parameter's gradient equal one process's (float64, relative 1e-10)."""
+    """Attention blocks on zigzag shards, recurrent blocks (a short convolution and a gated linear recurrence) and
+    Mamba2 blocks on contiguous ones, convolution blocks next to attention: the loss and every parameter's gradient
+    equal one process's (float64, relative 1e-10)."""
     lengths = DOCUMENTS[documents]
     expected_loss, expected_gradients = _one_process(model, lengths)
     for loss, gradients in run_on_ranks(_context_parallel, cp, model, lengths):

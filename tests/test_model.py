@@ -67,7 +67,9 @@ def test_rotary_angles_of_far_positions_survive_half_precision(dtype: torch.dtyp
 
 
 @pytest.mark.parametrize(
-    "layer_types", [None, ["recurrent", "attention"], ["convolution", "attention"]], ids=["attention", "hybrid", "conv"]
+    "layer_types",
+    [None, ["recurrent", "attention"], ["convolution", "attention"], ["mamba", "attention"]],
+    ids=["attention", "hybrid", "conv", "mamba"],
 )
 def test_packed_documents_do_not_see_each_other(layer_types: list[str] | None) -> None:
     model = _model(layer_types=layer_types)
@@ -139,7 +141,9 @@ def test_bad_head_counts_are_rejected() -> None:
 
 
 @pytest.mark.parametrize(
-    "layer_types", [None, ["recurrent", "attention"], ["convolution", "attention"]], ids=["attention", "hybrid", "conv"]
+    "layer_types",
+    [None, ["recurrent", "attention"], ["convolution", "attention"], ["mamba", "attention"]],
+    ids=["attention", "hybrid", "conv", "mamba"],
 )
 def test_activation_checkpointing_gives_the_same_gradients(layer_types: list[str] | None) -> None:
     plain = _model(layer_types=layer_types)
@@ -185,6 +189,6 @@ def test_tensor_parallelism_refuses_recurrent_layers_and_shards_attention_ones()
     """Outside the CLI too (before, an AttributeError looking for the first layer's attention)."""
     for outcome in run_on_ranks(_tensor_parallel_model, 2, ["recurrent", "attention"]):
         assert "tensor parallelism has a plan for attention layers only" in outcome
-    for outcome in run_on_ranks(_tensor_parallel_model, 2, ["convolution", "recurrent"]):
-        assert "with convolution and recurrent layers in model.layer_types" in outcome
+    for outcome in run_on_ranks(_tensor_parallel_model, 2, ["convolution", "mamba"]):
+        assert "with convolution and mamba layers in model.layer_types" in outcome
     assert run_on_ranks(_tensor_parallel_model, 2, ["attention", "attention"]) == ["sharded", "sharded"]

@@ -1,6 +1,6 @@
 """Llama building blocks: rotary embeddings from position ids, GQA attention through ``cp_attention``, SwiGLU, and for
-hybrid stacks a recurrent block (short convolution through ``cp_causal_conv1d`` and gated linear recurrence) and an
-LFM2-style gated short-convolution block."""
+hybrid stacks a recurrent block (short convolution through ``cp_causal_conv1d`` and gated linear recurrence), an
+LFM2-style gated short-convolution block and a Mamba2 block (``cp_causal_conv1d`` and ``cp_ssd_scan``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_cp.core.functional import cp_attention, cp_causal_conv1d, cp_previous_state
+from lightning_cp.core.functional import cp_attention, cp_causal_conv1d, cp_previous_state, cp_ssd_scan
 
 
 def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple:
@@ -200,4 +200,61 @@ class ConvolutionDecoderBlock(nn.Module):
     def forward(self, h: torch.Tensor, *, position_ids: torch.Tensor) -> torch.Tensor:
         """Return the block output for hidden states ``[B, S_local, hidden]`` (documents come from the step)."""
         h = h + self.convolution(self.convolution_norm(h))
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class Mamba2Mixer(nn.Module):
+    """Mamba2's token mixer (as in Bamba and Granite's hybrids, one group): one projection to the gate ``z``, the
+    convolved ``x``, ``B``, ``C`` and the step sizes; a depthwise causal convolution with SiLU (``cp_causal_conv1d``);
+    the selective scan with its ``D`` skip (``cp_ssd_scan``, per document); a gated RMSNorm and the output projection.
+    """
+
+    def __init__(
+        self, hidden_size: int, num_heads: int, norm_eps: float, state: int = 16, kernel: int = 4, chunk_size: int = 64
+    ) -> None:
+        super().__init__()
+        inner = 2 * hidden_size
+        if inner % num_heads:
+            raise ValueError(f"2 x hidden_size ({inner}) must divide by num_heads ({num_heads}) for a Mamba2 layer")
+        self.num_heads, self.head_dim, self.state, self.chunk_size = num_heads, inner // num_heads, state, chunk_size
+        self.in_proj = nn.Linear(hidden_size, 2 * inner + 2 * state + num_heads, bias=False)
+        self.taps = nn.Parameter(torch.zeros(inner + 2 * state, kernel))  # oldest tap first, as a depthwise Conv1d's
+        with torch.no_grad():
+            self.taps[:, -1] = 1.0  # the convolution starts as the identity
+        steps = torch.logspace(-3, -1, num_heads)  # initial step sizes from 0.001 to 0.1, as Mamba2's
+        self.dt_bias = nn.Parameter(steps + torch.log(-torch.expm1(-steps)))  # softplus(dt_bias) = steps
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, num_heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(num_heads))
+        self.norm = nn.RMSNorm(inner, eps=norm_eps)
+        self.out_proj = nn.Linear(inner, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Mix ``x`` ``[B, S_local, hidden]`` along the sequence (this rank's shard, in any layout)."""
+        rows, length, _ = x.shape
+        inner = self.num_heads * self.head_dim
+        gate, convolved, steps = self.in_proj(x).split([inner, inner + 2 * self.state, self.num_heads], dim=-1)
+        convolved = F.silu(cp_causal_conv1d(convolved, self.taps))
+        values, B, C = convolved.split([inner, self.state, self.state], dim=-1)
+        values = values.view(rows, length, self.num_heads, self.head_dim)
+        steps = F.softplus(steps + self.dt_bias)
+        A = -torch.exp(self.A_log.to(torch.promote_types(self.A_log.dtype, torch.float32)))
+        B, C = (tensor.view(rows, length, 1, self.state) for tensor in (B, C))
+        y = cp_ssd_scan(values, steps, A, B, C, chunk_size=self.chunk_size) + self.D[:, None] * values
+        return self.out_proj(self.norm(y.reshape(rows, length, inner).to(x.dtype) * F.silu(gate)))
+
+
+class MambaBlock(nn.Module):
+    """Pre-norm block of a ``Mamba2Mixer`` and a SwiGLU MLP; the default layout policy runs ``*MambaBlock`` on
+    contiguous shards, where the scan needs no conversion of its own."""
+
+    def __init__(self, hidden_size: int, num_heads: int, intermediate_size: int, norm_eps: float) -> None:
+        super().__init__()
+        self.mixer_norm = nn.RMSNorm(hidden_size, eps=norm_eps)
+        self.mixer = Mamba2Mixer(hidden_size, num_heads, norm_eps)
+        self.mlp_norm = nn.RMSNorm(hidden_size, eps=norm_eps)
+        self.mlp = SwiGLU(hidden_size, intermediate_size)
+
+    def forward(self, h: torch.Tensor, *, position_ids: torch.Tensor) -> torch.Tensor:
+        """Return the block output for hidden states ``[B, S_local, hidden]`` (documents come from the step)."""
+        h = h + self.mixer(self.mixer_norm(h))
         return h + self.mlp(self.mlp_norm(h))

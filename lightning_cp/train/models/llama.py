@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_cp.train.models.layers import ConvolutionDecoderBlock, DecoderBlock, RecurrentBlock
+from lightning_cp.train.models.layers import ConvolutionDecoderBlock, DecoderBlock, MambaBlock, RecurrentBlock
 
-LAYER_TYPES = ("attention", "recurrent", "convolution")
+LAYER_TYPES = ("attention", "recurrent", "convolution", "mamba")
 
 
 @dataclass
@@ -44,28 +44,28 @@ def layer_kinds(num_layers: int, layer_types: Sequence[str] | None) -> list[str]
     return kinds
 
 
+def _block(kind: str, config: LlamaConfig) -> nn.Module:
+    """One decoder block of ``kind`` (one of ``LAYER_TYPES``)."""
+    if kind == "attention":
+        return DecoderBlock(
+            config.hidden_size, config.num_heads, config.num_kv_heads, config.intermediate_size, config.rope_theta,
+            config.norm_eps,
+        )  # fmt: skip
+    if kind == "mamba":
+        return MambaBlock(config.hidden_size, config.num_heads, config.intermediate_size, config.norm_eps)
+    block = {"recurrent": RecurrentBlock, "convolution": ConvolutionDecoderBlock}[kind]
+    return block(config.hidden_size, config.intermediate_size, config.norm_eps)
+
+
 class LlamaDecoder(nn.Module):
-    """Token embedding, ``num_layers`` blocks (attention, or recurrent or convolution where ``layer_types`` says),
+    """Token embedding, ``num_layers`` blocks (attention, or recurrent, convolution or Mamba2 where ``layer_types``
+    says),
     final RMSNorm and the (tied or untied) output head."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderBlock(
-                config.hidden_size,
-                config.num_heads,
-                config.num_kv_heads,
-                config.intermediate_size,
-                config.rope_theta,
-                config.norm_eps,
-            )
-            if kind == "attention"
-            else {"recurrent": RecurrentBlock, "convolution": ConvolutionDecoderBlock}[kind](
-                config.hidden_size, config.intermediate_size, config.norm_eps
-            )
-            for kind in layer_kinds(config.num_layers, config.layer_types)
-        )
+        self.layers = nn.ModuleList(_block(kind, config) for kind in layer_kinds(config.num_layers, config.layer_types))
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.activation_checkpointing = config.activation_checkpointing
