@@ -43,7 +43,7 @@ HIDDEN = 1024
 CANDIDATES = ("local", "zigzag", "contiguous", "round trip")
 
 
-def _batch(tokens: int, seed: int) -> dict[str, torch.Tensor]:
+def packed_batch(tokens: int, seed: int) -> dict[str, torch.Tensor]:
     """A packed batch of ``tokens`` tokens in documents of 1 to 4k tokens (2k on average)."""
     generator = torch.Generator().manual_seed(seed)
     lengths: list[int] = []
@@ -68,7 +68,7 @@ def _forward_backward(
 
 def _candidates(setting: ContextParallelSetting, tokens: int) -> dict[str, Callable[[], None]]:
     """The candidates that run in a step of ``setting``'s boundary layout."""
-    batch = _batch(tokens, seed=0)
+    batch = packed_batch(tokens, seed=0)
     step, _ = ContextParallelRuntime(setting, check_consensus=False).begin_step(batch)
     generator = torch.Generator().manual_seed(1 + dist.get_rank())
     x = torch.randn(1, batch["input_ids"].shape[1], HIDDEN, generator=generator)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from convolution_bench import packed_batch
 from memory_bench import proc_status_mib, reset_peak
 from transformers.models.bamba.modeling_bamba import mamba2_chunk_scan
 
@@ -43,22 +44,11 @@ def _inputs(tokens: int) -> tuple[torch.Tensor, ...]:
     return x, dt, A, B, C
 
 
-def _packed_batch(tokens: int) -> dict[str, torch.Tensor]:
-    """A packed batch of ``tokens`` tokens in documents of 1 to 4k tokens."""
-    generator = torch.Generator().manual_seed(1)
-    lengths: list[int] = []
-    while sum(lengths) < tokens:
-        lengths.append(int(torch.randint(1, 4096, (1,), generator=generator)))
-    lengths[-1] -= sum(lengths) - tokens
-    offsets = torch.tensor([0, *torch.tensor([n for n in lengths if n > 0]).cumsum(0).tolist()], dtype=torch.int32)
-    return {"input_ids": torch.zeros(1, tokens, dtype=torch.long), "cu_seqlens": offsets}
-
-
 def _candidates(tokens: int) -> dict[str, Callable[[], None]]:
     """One forward + backward per candidate, on fresh leaf copies of the same inputs."""
     inputs = _inputs(tokens)
     runtime = ContextParallelRuntime(ContextParallelSetting())
-    batch = _packed_batch(tokens)
+    batch = packed_batch(tokens, seed=1)
 
     def leaves() -> list[torch.Tensor]:
         return [tensor.clone().requires_grad_() for tensor in inputs]
