@@ -1,13 +1,15 @@
 """Context parallelism for PyTorch Lightning; importing it registers ``strategy="cp_zigzag"``.
 
 The public API: ``cp_attention``, ``cp_cross_entropy``, ``cp_gather_sequence``, ``cp_causal_conv1d``,
-``cp_ssd_scan``, ``cp_previous_tokens`` and ``cp_previous_state`` for model code, the strategy and its callback for
-Lightning, ``ContextParallelRuntime`` for any other training loop, ``PackedSeqParams`` for packed metadata.
+``cp_ssd_scan``, ``cp_gated_delta_rule``, ``cp_previous_tokens`` and ``cp_previous_state`` for model code, the
+strategy and its callback for Lightning, ``ContextParallelRuntime`` for any other training loop, ``PackedSeqParams``
+for packed metadata.
 """
 
 from lightning_cp.core.functional import (
     cp_attention,
     cp_causal_conv1d,
+    cp_gated_delta_rule,
     cp_gather_sequence,
     cp_previous_state,
     cp_previous_tokens,
@@ -32,6 +34,7 @@ __all__ = [
     "cp_causal_conv1d",
     "cp_chunked_cross_entropy",
     "cp_cross_entropy",
+    "cp_gated_delta_rule",
     "cp_gather_sequence",
     "cp_previous_state",
     "cp_previous_tokens",

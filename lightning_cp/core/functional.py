@@ -1,12 +1,13 @@
 """What model code calls: ``cp_attention``, exact attention under the active step (or on one device without one);
 ``cp_gather_sequence``, a per-token output of the whole replica batch on every rank; ``cp_causal_conv1d``, a short
-causal convolution per document in any layout; ``cp_ssd_scan``, Mamba2's selective scan per document in any layout;
-``cp_previous_tokens`` and ``cp_previous_state``, what a convolution or a recurrence on contiguous shards needs from
-the shards before."""
+causal convolution per document in any layout; ``cp_ssd_scan`` and ``cp_gated_delta_rule``, Mamba2's selective scan
+and the gated delta rule per document in any layout; ``cp_previous_tokens`` and ``cp_previous_state``, what a
+convolution or a recurrence on contiguous shards needs from the shards before."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +21,8 @@ from lightning_cp.core.attention.api import (
     check_attention_shapes,
 )
 from lightning_cp.core.packed import host_offsets
-from lightning_cp.core.scan import ssd_scan
-from lightning_cp.core.step import active_step
+from lightning_cp.core.scan import gated_delta_scan, ssd_scan
+from lightning_cp.core.step import ContextParallelStep, active_step
 from lightning_cp.core.zigzag import CPLayout, contiguous_padding_multiple
 
 
@@ -199,9 +200,15 @@ def cp_previous_state(final_state: torch.Tensor, decay: torch.Tensor) -> torch.T
     return torch.zeros_like(final_state) if group is None else _state_entering_shard(final_state, decay, group)
 
 
-def _state_entering_shard(final_state: torch.Tensor, decay: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def _state_entering_shard(
+    final_state: torch.Tensor,
+    decay: torch.Tensor,
+    group: ProcessGroup,
+    carry: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.mul,
+) -> torch.Tensor:
     """The state entering this rank's contiguous shard of ``group``: every earlier shard's ``final_state`` carried over
-    the shards after it by their ``decay`` (one all-gather of both, in the wider of their dtypes)."""
+    the shards after it by their ``decay`` (``carry(decay, state)``: a product, or a transition matrix's for the delta
+    rule), in one all-gather of both, in the wider of their dtypes."""
     dtype = torch.promote_types(final_state.dtype, decay.dtype)
     both = torch.cat([final_state.to(dtype).flatten(), decay.to(dtype).flatten()])  # the decay as small as given
     shards = comm.all_gather_stack(both, group)  # [ranks, state + decay values]
@@ -211,7 +218,7 @@ def _state_entering_shard(final_state: torch.Tensor, decay: torch.Tensor, group:
     entering = states[0].masked_fill(torch.ones((), dtype=torch.bool, device=both.device), 0)
     rank = comm.group_rank(group)
     for state, shard_decay in zip(states[:rank], decays[:rank], strict=True):
-        entering = state + shard_decay * entering
+        entering = state + carry(shard_decay, entering)
     return entering.to(final_state.dtype)
 
 
@@ -241,21 +248,10 @@ def cp_ssd_scan(
             "A [heads], B and C [b, S, groups, state] with heads divisible by groups, chunk_size >= 1"
         )
     dtype = functools.reduce(torch.promote_types, (x.dtype, dt.dtype, B.dtype, C.dtype), torch.float32)
-    step = active_step()
-    group, layout = None, CPLayout.CONTIGUOUS
-    if step is not None:
-        step.require_stream_at_boundary("cp_ssd_scan outside the wrapped layers")
-        group, layout = step.loss_group, step.current_layout if step.cp_size > 1 else CPLayout.CONTIGUOUS
-        if group is not None and comm.group_size(group) == 1:
-            group = None
-    if layout is not CPLayout.CONTIGUOUS:  # x, B, C in one conversion (in their wider dtype), dt in its own
-        wide = functools.reduce(torch.promote_types, (x.dtype, B.dtype, C.dtype))
-        widths = [x[0, 0].numel(), B[0, 0].numel(), C[0, 0].numel()]
-        inputs = torch.cat([tensor.reshape(rows, length, -1).to(wide) for tensor in (x, B, C)], dim=-1)
-        inputs = step.convert(inputs, layout, CPLayout.CONTIGUOUS)
-        dt = step.convert(dt, layout, CPLayout.CONTIGUOUS)  # the contiguous shard's length may differ
-        parts = zip(inputs.split(widths, dim=-1), (x.shape[2:], B.shape[2:], C.shape[2:]), strict=True)
-        x, B, C = (part.reshape(rows, dt.shape[1], *shape) for part, shape in parts)
+    step, group, layout = _recurrence_shards("cp_ssd_scan")
+    if layout is not CPLayout.CONTIGUOUS:  # x, B, C in one conversion, dt in its own dtype in another
+        x, B, C = _to_contiguous(step, layout, (x, B, C))
+        (dt,) = _to_contiguous(step, layout, (dt,))
     starts = _document_starts(x.shape[1], x.device)
     with torch.autocast(x.device.type, enabled=False):  # products and sums in ``dtype``, whatever autocast's is
         x, dt, A, B, C = (tensor.to(dtype) for tensor in (x, dt, A, B, C))
@@ -265,6 +261,88 @@ def cp_ssd_scan(
             entering = _state_entering_shard(final_state, entry_decay[:, -1, :, None, None], group)
             y = y + torch.einsum("bshn,bhpn->bshp", C, entering) * entry_decay.unsqueeze(-1)
     return step.convert(y, CPLayout.CONTIGUOUS, layout) if layout is not CPLayout.CONTIGUOUS else y
+
+
+@comm.eager_under_compile
+def cp_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """The gated delta rule (Gated DeltaNet) per document: ``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t
+    k_t v_t^T``, ``o_t = S_t^T q_t``, from a zero state at each document's start, as one device runs each alone.
+
+    ``q``, ``k`` ``[b, S_local, heads, dk]`` (as the layer hands them to its kernel: normalised and scaled as it
+    wants, one per value head), ``v`` ``[b, S_local, heads, dv]``, ``g`` (log decays, <= 0) and ``beta``
+    ``[b, S_local, heads]``; returns ``o`` ``[b, S_local, heads, dv]``, computed (also under autocast) and returned in
+    the widest of the inputs' dtypes and float32. Under an active step each rank runs its contiguous shard in chunks of
+    ``chunk_size`` tokens, carrying next to the state, in ``dk`` more columns, the shard's transition (the product of
+    its ``exp(g_t) (I - beta_t k_t k_t^T)``); the state entering the shard is composed from every earlier shard's last
+    state and transition (one all-gather), and each output adds that state's read-out. In a block that runs in
+    another layout the inputs are converted to contiguous shards and the output back. Without a step each row is one
+    document."""
+    rows, length, heads = k.shape[:3] if k.dim() == 4 else (0, 0, 0)
+    if (
+        k.dim() != 4 or q.shape != k.shape or v.dim() != 4 or tuple(v.shape[:3]) != (rows, length, heads)
+        or tuple(g.shape) != (rows, length, heads) or g.shape != beta.shape or chunk_size < 1
+    ):  # fmt: skip
+        raise ValueError(
+            f"cp_gated_delta_rule: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, "
+            f"beta {tuple(beta.shape)}, chunk_size={chunk_size}; expected q and k [b, S, heads, dk], v [b, S, heads, "
+            "dv], g and beta [b, S, heads], chunk_size >= 1"
+        )
+    dtype = functools.reduce(torch.promote_types, (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype), torch.float32)
+    step, group, layout = _recurrence_shards("cp_gated_delta_rule")
+    if layout is not CPLayout.CONTIGUOUS:  # q, k, v in one conversion, the gates in their own dtype in another
+        q, k, v = _to_contiguous(step, layout, (q, k, v))
+        g, beta = _to_contiguous(step, layout, (g, beta))
+    starts = _document_starts(k.shape[1], k.device)
+    key_dim, value_dim = k.shape[-1], v.shape[-1]
+    with torch.autocast(k.device.type, enabled=False):  # products and sums in ``dtype``, whatever autocast's is
+        q, k, v, g, beta = (tensor.to(dtype) for tensor in (q, k, v, g, beta))
+        state = v.new_zeros(rows, heads, key_dim, value_dim)
+        if group is not None:  # the transition rides along: zero values, the identity as its initial state
+            v = torch.cat([v, v.new_zeros(*v.shape[:3], key_dim)], dim=-1)
+            identity = torch.eye(key_dim, dtype=dtype, device=v.device).expand(rows, heads, key_dim, key_dim)
+            state = torch.cat([state, identity], dim=-1)
+        o, last = gated_delta_scan(q, k, v, g, beta, starts, chunk_size, state)
+        if group is not None:
+            (o, reads), (last, transition) = o.split([value_dim, key_dim], -1), last.split([value_dim, key_dim], -1)
+            entering = _state_entering_shard(last, transition, group, carry=torch.matmul)
+            o = o + torch.einsum("bshk,bhkv->bshv", reads, entering)
+    return step.convert(o, CPLayout.CONTIGUOUS, layout) if layout is not CPLayout.CONTIGUOUS else o
+
+
+def _recurrence_shards(name: str) -> tuple[ContextParallelStep | None, ProcessGroup | None, CPLayout]:
+    """For a recurrence called ``name``: the active step, the group whose ranks hold the batch's contiguous shards
+    in rank order (None: one shard, or no step) and the layout the block runs in (contiguous without CP)."""
+    step = active_step()
+    if step is None:
+        return None, None, CPLayout.CONTIGUOUS
+    step.require_stream_at_boundary(f"{name} outside the wrapped layers")
+    group = step.loss_group
+    layout = step.current_layout if step.cp_size > 1 else CPLayout.CONTIGUOUS
+    return step, (group if group is not None and comm.group_size(group) > 1 else None), layout
+
+
+def _to_contiguous(
+    step: ContextParallelStep, layout: CPLayout, tensors: tuple[torch.Tensor, ...]
+) -> list[torch.Tensor]:
+    """``tensors`` ``[b, S_local, ...]`` moved from ``layout`` to contiguous shards in one conversion (side by side in
+    their widest dtype, each back in its own); a contiguous shard may hold another number of tokens."""
+    rows, length = tensors[0].shape[:2]
+    flat = [tensor.reshape(rows, length, -1) for tensor in tensors]
+    wide = functools.reduce(torch.promote_types, (tensor.dtype for tensor in tensors))
+    moved = step.convert(torch.cat([part.to(wide) for part in flat], dim=-1), layout, CPLayout.CONTIGUOUS)
+    parts = moved.split([part.shape[-1] for part in flat], dim=-1)
+    return [
+        part.reshape(rows, moved.shape[1], *tensor.shape[2:]).to(tensor.dtype)
+        for part, tensor in zip(parts, tensors, strict=True)
+    ]
 
 
 def _document_starts(local_tokens: int, device: torch.device) -> torch.Tensor:

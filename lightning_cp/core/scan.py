@@ -1,5 +1,6 @@
-"""Mamba2's selective state-space scan in its chunked form (state space duality), on one shard and restarting at
-document starts: the local part of ``cp_ssd_scan``, which adds the state entering the shard from the shards before."""
+"""Chunked scans of linear recurrences on one shard, restarting at document starts: Mamba2's selective state-space
+scan (state space duality; the local part of ``cp_ssd_scan``) and the gated delta rule (Gated DeltaNet; the local part
+of ``cp_gated_delta_rule``). Each CP function adds the state entering the shard from the shards before."""
 
 from __future__ import annotations
 
@@ -69,6 +70,55 @@ def ssd_scan(
     entry_decay = _masked_exp(torch.cumsum(log_decay.flatten(1, 2), dim=1), first_document)
     y = y.flatten(1, 2)[:, :length]
     return y, final_state, entry_decay[:, :length]
+
+
+def gated_delta_scan(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, starts: Tensor, chunk_size: int, initial_state: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Scan the gated delta rule ``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``, ``o_t = S_t^T
+    q_t`` from ``initial_state`` ``[b, h, dk, dv]``, per document.
+
+    ``q``, ``k`` ``[b, s, h, dk]``, ``v`` ``[b, s, h, dv]``, ``g`` (log decays, <= 0) and ``beta`` ``[b, s, h]``,
+    ``starts`` ``[s]`` (a document starts at the token: the state before it is dropped), all in the dtype to compute in.
+    Returns ``o`` ``[b, s, h, dv]`` and the last state. Within a chunk of ``chunk_size`` tokens the delta rule's updates
+    are one triangular solve (the UT transform of DeltaNet), masked per document run; the chunks then pass the state on
+    in turn. The columns of the state evolve independently, so extra value columns carry extra states
+    (``cp_gated_delta_rule`` carries the shard's transition so)."""
+    batch, length, heads, _ = k.shape
+    padding = (-length) % chunk_size
+    q, k, v = (F.pad(tensor.transpose(1, 2), (0, 0, 0, padding)) for tensor in (q, k, v))  # [b, h, s, d]
+    g, beta = (F.pad(tensor.transpose(1, 2), (0, padding)) for tensor in (g, beta))  # padding: no decay, no update
+    segment = torch.cumsum(starts.long(), 0)
+    segment = torch.cat([segment, segment[-1:].expand(padding)])
+    chunks = (length + padding) // chunk_size
+    q, k, v = (tensor.reshape(batch, heads, chunks, chunk_size, -1) for tensor in (q, k, v))
+    g, beta = (tensor.reshape(batch, heads, chunks, chunk_size) for tensor in (g, beta))
+    segment = segment.view(chunks, chunk_size)
+    cumulative = torch.cumsum(g, dim=-1)
+
+    lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=k.device).tril()
+    same = segment.unsqueeze(2) == segment.unsqueeze(1)  # [c, i, j]: one document run
+    pair_decay = _masked_exp(_segment_sums(g), same & lower)  # [b, h, c, i, j]: decays over (j, i]
+    k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
+    updates = (k_beta @ k.transpose(-1, -2)) * pair_decay  # the solve reads its strictly lower part
+    entering_run = F.pad(segment[:-1, -1], (1, 0), value=0).unsqueeze(1)  # the run the chunk's state belongs to
+    from_start = _masked_exp(cumulative, segment == entering_run)  # [b, h, c, l]: the chunk's state reaches token l
+    solved = torch.linalg.solve_triangular(
+        updates, torch.cat([v_beta, k_beta * from_start.unsqueeze(-1)], dim=-1), upper=False, unitriangular=True
+    )
+    new_values, state_reads = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
+    q_reads = q * from_start.unsqueeze(-1)
+    to_end = _masked_exp(cumulative[..., -1:] - cumulative, segment == segment[:, -1:])
+    k_to_end = k * to_end.unsqueeze(-1)
+    chunk_decay = _masked_exp(cumulative[..., -1], segment[:, -1] == entering_run[:, 0])[..., None, None]
+    within = (q @ k.transpose(-1, -2)) * pair_decay
+    state, outputs = initial_state, []
+    for chunk in range(chunks):
+        corrected = new_values[:, :, chunk] - state_reads[:, :, chunk] @ state
+        outputs.append(q_reads[:, :, chunk] @ state + within[:, :, chunk] @ corrected)
+        state = state * chunk_decay[:, :, chunk] + k_to_end[:, :, chunk].transpose(-1, -2) @ corrected
+    o = torch.stack(outputs, dim=2).flatten(2, 3)[:, :, :length]
+    return o.transpose(1, 2), state
 
 
 def _segment_sums(values: Tensor) -> Tensor:

@@ -1,0 +1,197 @@
+"""``cp_gated_delta_rule``: the gated delta rule per document, on contiguous or zigzag shards, against a token-by-token
+run of each document alone on one device (float64, 1e-12)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_cp import ContextParallelRuntime, ContextParallelSetting, cp_gated_delta_rule
+from lightning_cp.core.mesh import ParallelDims, build_context_parallel_mesh
+from lightning_cp.core.scan import gated_delta_scan
+from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
+
+HEADS, KEY_DIM, VALUE_DIM = 3, 4, 5
+MIXED_DOCUMENTS = (1, 13, 2, 7, 30, 3, 1, 5)
+
+
+def _stepwise(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule token by token from ``state``: decay, read what the state predicts for ``k``, write the difference."""
+    outputs = []
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[..., None, None]
+        predicted = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
+        state = state + k[:, t, :, :, None] * ((v[:, t] - predicted) * beta[:, t, :, None])[:, :, None, :]
+        outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+    return torch.stack(outputs, dim=1), state
+
+
+def _per_document(inputs: tuple[torch.Tensor, ...], lengths: tuple[int, ...]) -> torch.Tensor:
+    """Every document of every row run alone from a zero state."""
+    zero = inputs[0].new_zeros(inputs[0].shape[0], HEADS, KEY_DIM, VALUE_DIM)
+    split = [tensor.split(list(lengths), dim=1) for tensor in inputs]
+    return torch.cat([_stepwise(*parts, zero)[0] for parts in zip(*split, strict=True)], dim=1)
+
+
+def _random_inputs(rows: int, total: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """q, k (unit length), v, g (log decays in (-1, 0)), beta (in (0, 1)) in float64."""
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    def uniform(*shape: int) -> torch.Tensor:
+        return torch.rand(*shape, generator=generator, dtype=torch.float64)
+
+    q, k = (torch.nn.functional.normalize(normal(rows, total, HEADS, KEY_DIM), dim=-1) for _ in range(2))
+    return q, k, normal(rows, total, HEADS, VALUE_DIM), -uniform(rows, total, HEADS), uniform(rows, total, HEADS)
+
+
+def _rule_error(
+    boundary: str,
+    lengths: tuple[int, ...] | None,
+    chunk_size: int,
+    rows: int = 1,
+    tensor_parallel: int = 1,
+    ulysses: int = 1,
+    drop_last: bool = False,
+    mixed: bool = False,
+) -> list[float]:
+    """This rank's largest differences to one process: outputs and the gradients of every input, for packed
+    documents of ``lengths`` (None: ``rows`` dense rows of 22 tokens) given in the ``boundary`` layout;
+    ``tensor_parallel`` > 1: under sequence parallelism; ``ulysses`` > 1: ``attention_mode="hybrid"``; ``drop_last``:
+    the shard given without its last token; ``mixed``: q, k, v in bf16 and the gates in float32, as under autocast
+    (the reference: the same rounded values in float64), and only the output's relative error."""
+    world = dist.get_world_size()
+    mesh = build_context_parallel_mesh("cpu", ParallelDims(1, world // tensor_parallel, tensor_parallel, ulysses))
+    setting = ContextParallelSetting(
+        mesh, boundary_layout=boundary, sequence_parallel=tensor_parallel > 1,
+        attention_mode="hybrid" if ulysses > 1 else "allgather",
+    )  # fmt: skip
+    runtime = ContextParallelRuntime(setting)
+    total = 22 if lengths is None else sum(lengths)
+    generator = torch.Generator().manual_seed(5)
+    inputs = _random_inputs(rows, total, generator)
+    if mixed:
+        inputs = tuple(tensor.to(torch.bfloat16 if i < 3 else torch.float32) for i, tensor in enumerate(inputs))
+    loss_weights = torch.randn(rows, total, HEADS, VALUE_DIM, generator=generator, dtype=torch.float64)
+    whole = [tensor.double().clone().requires_grad_() for tensor in inputs]
+    expected = _per_document(tuple(whole), lengths or (total,))
+    (expected * loss_weights).sum().backward()
+    batch: dict[str, torch.Tensor] = {"input_ids": torch.arange(1, total + 1).repeat(rows, 1)}
+    if lengths is not None:
+        batch["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    with runtime.step(batch):
+        positions = batch["input_ids"][0] - 1  # -1: a padding slot
+        real = positions >= 0
+        taken = positions.clamp(min=0)
+
+        def shard_of(tensor: torch.Tensor) -> torch.Tensor:
+            mask = real.view(1, -1, *[1] * (tensor.dim() - 2))
+            return torch.where(mask, tensor[:, taken], 0)[:, : -1 if drop_last else None].detach().requires_grad_()
+
+        shards = [shard_of(tensor) for tensor in inputs]
+        output = cp_gated_delta_rule(*shards, chunk_size=chunk_size)
+        if mixed:
+            difference = (output - expected[:, taken]) * real.view(1, -1, 1, 1)
+            return [difference.abs().max().item() / expected.abs().max().item()]
+        (output * loss_weights[:, taken] * real.view(1, -1, 1, 1)).sum().backward()
+    errors = []
+    pairs = [(output, expected), *((shard.grad, full.grad) for shard, full in zip(shards, whole, strict=True))]
+    for actual, reference in pairs:
+        mask = real.view(1, -1, *[1] * (actual.dim() - 2))
+        errors.append(((actual - reference[:, taken]) * mask).abs().max().item())
+    return errors
+
+
+@pytest.mark.parametrize(
+    ("ranks", "boundary", "lengths", "chunk_size", "rows"),
+    [
+        (3, "contiguous", MIXED_DOCUMENTS, 4, 1),
+        (3, "zigzag", MIXED_DOCUMENTS, 4, 1),
+        (2, "zigzag", MIXED_DOCUMENTS, 64, 1),
+        (4, "contiguous", (60,), 3, 1),
+        (2, "zigzag", None, 5, 2),
+        (1, "zigzag", MIXED_DOCUMENTS, 4, 1),
+    ],
+    ids=["cp3-contiguous", "cp3-zigzag", "cp2-zigzag-one-chunk", "cp4-one-document-over-all-shards", "cp2-dense",
+         "cp1-packed"],
+)  # fmt: skip
+def test_the_rule_matches_each_document_alone(
+    ranks: int, boundary: str, lengths: tuple[int, ...] | None, chunk_size: int, rows: int
+) -> None:
+    """Documents of 1 to 30 tokens in contiguous shards or zigzag ones (converted and back), one document over four
+    shards (its state passes through three transitions), chunks shorter and longer than the shards, two dense rows,
+    packed documents on one rank: outputs and the gradients of q, k, v, g and beta equal each document run alone,
+    token by token (float64, 1e-12)."""
+    for errors in run_on_ranks(_rule_error, ranks, boundary, lengths, chunk_size, rows):
+        assert max(errors) <= 1e-12, errors
+
+
+@pytest.mark.parametrize(
+    ("ranks", "boundary", "lengths", "rows", "tensor_parallel", "ulysses"),
+    [(4, "zigzag", MIXED_DOCUMENTS, 1, 2, 1), (4, "zigzag", MIXED_DOCUMENTS, 1, 1, 2)],
+    ids=["cp2xtp2-zigzag", "hybrid-ring2xulysses2"],
+)
+def test_the_rule_on_shards_split_further(
+    ranks: int, boundary: str, lengths: tuple[int, ...] | None, rows: int, tensor_parallel: int, ulysses: int
+) -> None:
+    """Shards split over TP ranks (sequence parallelism) or the Ulysses ranks of ``hybrid``: the state passes through
+    the loss group's ranks in order (float64, 1e-12)."""
+    for errors in run_on_ranks(_rule_error, ranks, boundary, lengths, 4, rows, tensor_parallel, ulysses):
+        assert max(errors) <= 1e-12, errors
+
+
+def test_gates_keep_their_precision_through_a_conversion() -> None:
+    """q, k, v in bf16 and the gates in float32 (a Gated DeltaNet layer under autocast) given zigzag at cp 2: the rule
+    sees the gates as given and computes in float32 (relative 1e-5 to the same rounded values run in float64)."""
+    for errors in run_on_ranks(_rule_error, 2, "zigzag", MIXED_DOCUMENTS, 4, mixed=True):
+        assert max(errors) <= 1e-5, errors
+
+
+def test_a_shard_that_is_not_the_batchs_is_refused() -> None:
+    """On every rank: a contiguous shard one token short (62 tokens, 31 per rank)."""
+    assert_same_error_on_every_rank(
+        _rule_error, 2, "contiguous", MIXED_DOCUMENTS, 4, drop_last=True,
+        match="a shard of 30 tokens in a contiguous block, where this batch puts 31 tokens on each rank",
+    )  # fmt: skip
+
+
+def test_without_a_step_each_row_is_one_document_and_shapes_are_checked() -> None:
+    """Outside a step: each row run alone (float64, 1e-12); float32 inputs compute and return float32, also under a
+    bf16 autocast (bit for bit); bad shapes name what was given and what is expected."""
+    inputs = _random_inputs(2, 11, torch.Generator().manual_seed(3))
+    torch.testing.assert_close(cp_gated_delta_rule(*inputs, chunk_size=4), _per_document(inputs, (11,)), rtol=0,
+                               atol=1e-12)  # fmt: skip
+    single = tuple(tensor.float() for tensor in inputs)
+    expected = cp_gated_delta_rule(*single)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = cp_gated_delta_rule(*single)
+    assert got.dtype == torch.float32 and torch.equal(got, expected)
+    q, k, v, g, beta = inputs
+    for bad in ((q[..., :2], k, v, g, beta), (q, k, v[:, :3], g, beta), (q, k, v, g, beta[..., :1])):
+        with pytest.raises(ValueError, match="expected q and k \\[b, S, heads, dk\\], v \\[b, S, heads, dv\\]"):
+            cp_gated_delta_rule(*bad)
+
+
+def test_the_chunked_rule_restarts_at_document_starts_from_any_state() -> None:
+    """``gated_delta_scan`` on random starts and chunk sizes from a random state (float64): outputs and last state
+    equal the token-by-token rule restarted at each start."""
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        length = int(torch.randint(1, 30, (1,), generator=generator))
+        chunk_size = int(torch.randint(1, 9, (1,), generator=generator))
+        q, k, v, g, beta = _random_inputs(2, length, generator)
+        starts = torch.rand(length, generator=generator) < 0.2
+        state = torch.randn(2, HEADS, KEY_DIM, VALUE_DIM, generator=generator, dtype=torch.float64)
+        o, last = gated_delta_scan(q, k, v, g, beta, starts, chunk_size, state)
+        cuts = [0, *[int(i) for i in torch.nonzero(starts).flatten() if i > 0], length]
+        outputs, expected_last = [], state
+        for begin, end in zip(cuts, cuts[1:], strict=False):
+            entering = expected_last if begin == 0 and not starts[0] else torch.zeros_like(state)
+            part, expected_last = _stepwise(*(x[:, begin:end] for x in (q, k, v, g, beta)), entering)
+            outputs.append(part)
+        torch.testing.assert_close(o, torch.cat(outputs, dim=1), rtol=0, atol=1e-12)
+        torch.testing.assert_close(last, expected_last, rtol=0, atol=1e-12)
