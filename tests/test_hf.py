@@ -40,6 +40,8 @@ SMALL = {
 }
 MAMBA2 = {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 2, "mamba_d_state": 8, "mamba_d_conv": 4,
           "mamba_chunk_size": 4, "mamba_expand": 2}  # fmt: skip
+GATED_DELTA_NET = {"linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 8,
+                   "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4}  # fmt: skip
 FAMILIES = {
     "llama": lambda: transformers.LlamaConfig(**SMALL),
     "qwen2": lambda: transformers.Qwen2Config(**SMALL),
@@ -71,11 +73,26 @@ FAMILIES = {
         **{**SMALL, "intermediate_size": None}, layers_block_type=["linear_attention", "hybrid"], n_mamba_heads=4,
         mamba_ngroups=2, mamba_d_state=8, mamba_d_conv=4, chunk_size=4, mamba_expand=2, pad_token_id=0,
     ),
+    "qwen3_5": lambda: transformers.Qwen3_5TextConfig(
+        **SMALL, layer_types=["linear_attention", "full_attention"], head_dim=8, **GATED_DELTA_NET
+    ),
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(
+        **SMALL, layer_types=["linear_attention", "full_attention"], head_dim=8, **GATED_DELTA_NET, num_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        experts_implementation="eager",
+    ),
+    "olmo_hybrid": lambda: transformers.OlmoHybridConfig(
+        **SMALL, layer_types=["linear_attention", "full_attention"], **GATED_DELTA_NET, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+    ),
 }  # fmt: skip
-TOLERANCES = dict.fromkeys(("bamba", "granitemoehybrid", "falcon_h1", "nemotron_h", "zamba2"), 1e-6)
-"""Relative tolerances where the unmodified model is not float64 throughout: Hugging Face's Mamba2 scan computes in
-float32 even in a float64 model (Nemotron-H also makes its logits in float32); the library's scan computes in the
-inputs' float64 and is checked against a step-by-step scan to 1e-12 in ``test_ssd_scan.py``."""
+TOLERANCES = dict.fromkeys(
+    ("bamba", "granitemoehybrid", "falcon_h1", "nemotron_h", "zamba2", "qwen3_5", "qwen3_next", "olmo_hybrid"), 1e-6
+)
+"""Relative tolerances where the unmodified model is not float64 throughout: Hugging Face's Mamba2 scan and gated
+delta rule compute in float32 even in a float64 model (Nemotron-H also makes its logits in float32); the library's
+compute in the inputs' float64 and are checked against token-by-token runs to 1e-12 in ``test_ssd_scan.py`` and
+``test_gated_delta_rule.py``."""
 
 
 def tiny_model(family: str, attention: str = "sdpa", lora: bool = False) -> transformers.PreTrainedModel:
@@ -85,7 +102,7 @@ def tiny_model(family: str, attention: str = "sdpa", lora: bool = False) -> tran
     config = FAMILIES[family]()
     config._attn_implementation = attention
     model = transformers.AutoModelForCausalLM.from_config(config).double()
-    for module in model.modules():  # Mamba2 scans: decays near 1, so states carry over the documents and shards
+    for module in model.modules():  # Mamba2, Gated DeltaNet: decays near 1, so states carry over documents and shards
         if hasattr(module, "A_log") and hasattr(module, "dt_bias"):
             module.A_log.data.uniform_(-4.0, -2.0)
             module.dt_bias.data.fill_(-1.0)
@@ -247,6 +264,11 @@ RUNS = [
     ("nemotron_h", "packed", 2, {"attention_mode": "ring"}, False),
     ("zamba2", "packed", 2, {"boundary_layout": "zigzag"}, False),
     ("bamba", "packed", 1, {}, False),
+    ("qwen3_5", "packed", 2, {}, False),
+    ("qwen3_5", "dense", 4, {"attention_mode": "ring"}, True),
+    ("qwen3_next", "flattening", 2, {"data_parallel": "fsdp"}, False),
+    ("olmo_hybrid", "packed", 2, {"attention_mode": "ulysses"}, False),
+    ("qwen3_5", "packed", 1, {}, False),
 ]
 
 
@@ -447,12 +469,12 @@ def test_what_cannot_be_exact_is_refused():
         HFCausalLM(tiny_model("llama"))._loss(several)
 
 
-def _qwen3_next() -> transformers.PretrainedConfig:
-    """A hybrid of gated delta-rule (linear attention) and attention layers."""
-    return transformers.Qwen3NextConfig(
-        **SMALL, layer_types=["linear_attention", "full_attention"], head_dim=8, linear_num_value_heads=2,
-        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1,
-        moe_intermediate_size=16, shared_expert_intermediate_size=16, experts_implementation="eager",
+def _jamba() -> transformers.PretrainedConfig:
+    """A hybrid of Mamba1 (a selective scan the library has no CP form of) and attention layers."""
+    return transformers.JambaConfig(
+        **SMALL, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+        num_experts=2, num_experts_per_tok=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+        experts_implementation="eager",
     )  # fmt: skip
 
 
@@ -501,8 +523,8 @@ INEXACT = {  # a model feature the "lightning_cp" attention cannot reproduce on 
         ),
         r"rope_type=dynamic\) .* past 4 tokens",
     ),
-    "qwen3_next linear attention": (
-        lambda: _qwen3_next(),
+    "jamba mamba1 layers": (
+        lambda: _jamba(),
         "layers of type linear_attention from its row's own token order, which a packed batch breaks",
     ),
 }  # fmt: skip
@@ -538,7 +560,7 @@ def _hybrid_model_at_cp2() -> None:
     os.environ["WORLD_SIZE"] = "2"
     batches, _ = make_batches("dense", 1)
     torch.manual_seed(0)
-    module = SGDCausalLM(transformers.AutoModelForCausalLM.from_config(_qwen3_next()).double())
+    module = SGDCausalLM(transformers.AutoModelForCausalLM.from_config(_jamba()).double())
     trainer = pl.Trainer(devices=2, strategy=CPZigzagStrategy(), max_steps=1, use_distributed_sampler=False,
                          **TRAINER_OPTIONS)  # fmt: skip
     trainer.fit(module, DataLoader(batches, batch_size=None))
@@ -555,7 +577,7 @@ def test_what_hybrid_and_alibi_models_can_do_is_kept_and_the_rest_refused():
     """A hybrid model still trains one document per row at cp=1 (as the unmodified model does); ALiBi is refused at
     construction, and a soft-capped or scaled head with a chunked loss by its config, however small the logits."""
     torch.manual_seed(0)
-    hybrid = transformers.AutoModelForCausalLM.from_config(_qwen3_next()).double()
+    hybrid = transformers.AutoModelForCausalLM.from_config(_jamba()).double()
     document = make_batches("packed", 1)[1][0][0]
     reference = F.cross_entropy(hybrid(torch.tensor([document])).logits[0, :-1], torch.tensor(document[1:]))
     loss, _ = HFCausalLM(hybrid)._loss({"input_ids": torch.tensor([document])})

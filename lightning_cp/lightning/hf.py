@@ -23,7 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from typing_extensions import override
 
 from lightning_cp.core import comm
-from lightning_cp.core.functional import cp_attention, cp_causal_conv1d, cp_ssd_scan
+from lightning_cp.core.functional import cp_attention, cp_causal_conv1d, cp_gated_delta_rule, cp_ssd_scan
 from lightning_cp.core.loss import CPLoss, cp_chunked_cross_entropy
 from lightning_cp.core.step import activated, active_step
 from lightning_cp.lightning.module import CausalLMModule
@@ -181,14 +181,6 @@ def _use_cp_short_convolutions(model: torch.nn.Module) -> None:
             module.forward = _ShortConvolutionUnderCP(module, instance_forward)
 
 
-_MAMBA2_MIXERS = frozenset(
-    {"BambaMixer", "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer", "FalconH1Mixer", "Zamba2MambaMixer"}
-)
-"""Hugging Face's Mamba2 mixers in hybrid models: an input projection, a depthwise causal convolution
-(``causal_conv1d_forward``) and the selective scan (``mamba2_scan_forward``) of their modeling module, a gated norm,
-an output projection."""
-
-
 class _RoutedUnderCP:
     """A function of a Hugging Face modeling module that, under a step, is lightning_cp's exact version (per document,
     across the shards); outside one, the module's own (generation with its cache, kernels)."""
@@ -207,7 +199,7 @@ def _no_fused_mamba2(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def _mamba2_convolution(
+def _causal_convolution(
     conv1d: torch.nn.Conv1d,
     hidden_states: torch.Tensor,
     cache: Any,
@@ -215,8 +207,8 @@ def _mamba2_convolution(
     activation: str | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
-    """A Mamba2 mixer's convolution of ``[b, channels, S_local]`` under a step: ``cp_causal_conv1d``, then the
-    activation."""
+    """A mixer's convolution of ``[b, channels, S_local]`` under a step (``causal_conv1d_forward``):
+    ``cp_causal_conv1d``, then the activation."""
     _refuse_cache(cache)
     weight = conv1d.weight.squeeze(1)  # the convolution and its activation in the weight's dtype, as the module's own
     output = cp_causal_conv1d(hidden_states.transpose(1, 2).to(weight.dtype), weight, conv1d.bias)
@@ -244,6 +236,31 @@ def _mamba2_scan(
     return (y + module.D[:, None] * x.to(y.dtype)).reshape(rows, length, -1)
 
 
+def _gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A Gated DeltaNet layer's chunked rule under a step: query and key as Hugging Face's reference makes them (one
+    per value head, L2-normalised if asked, queries scaled by ``dk ** -0.5``), then ``cp_gated_delta_rule`` (documents
+    come from the step, not from ``cu_seqlens``); the output in the query's dtype, and no state."""
+    _refuse_cache(initial_state if initial_state is not None or not output_final_state else "a final state")
+    output_dtype, heads = query.dtype, value.shape[2]
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    query, key = (tensor.repeat_interleave(heads // tensor.shape[2], dim=2).to(dtype) for tensor in (query, key))
+    if use_qk_l2norm_in_kernel:
+        query, key = (tensor * torch.rsqrt((tensor * tensor).sum(-1, keepdim=True) + 1e-6) for tensor in (query, key))
+    output = cp_gated_delta_rule(query * query.shape[-1] ** -0.5, key, value, g, beta, chunk_size=chunk_size)
+    return output.to(output_dtype), None
+
+
 def _refuse_cache(cache: Any) -> None:
     """Raise when a mixer under a step is given a cache: a step trains on whole documents, not token by token."""
     if cache is not None:
@@ -252,51 +269,68 @@ def _refuse_cache(cache: Any) -> None:
 
 _MAMBA2_ROUTES = {
     "mamba2_split_conv1d_scan_combined": _no_fused_mamba2,
-    "causal_conv1d_forward": _mamba2_convolution,
+    "causal_conv1d_forward": _causal_convolution,
     "mamba2_scan_forward": _mamba2_scan,
 }
+_DELTA_RULE_ROUTES = {"causal_conv1d_forward": _causal_convolution, "torch_chunk_gated_delta_rule": _gated_delta_rule}
+_ROUTED_MIXERS = {
+    **dict.fromkeys(
+        ("BambaMixer", "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer", "FalconH1Mixer", "Zamba2MambaMixer"),
+        _MAMBA2_ROUTES,
+    ),
+    **dict.fromkeys(
+        ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "OlmoHybridGatedDeltaNet"),
+        _DELTA_RULE_ROUTES,
+    ),
+}
+"""Hugging Face's sequence mixers whose modeling module's functions run per document across the shards under a step,
+and those functions: Mamba2 mixers (an input projection, ``causal_conv1d_forward``, ``mamba2_scan_forward``, a gated
+norm, an output projection) and Gated DeltaNet ones (``causal_conv1d_forward``, ``torch_chunk_gated_delta_rule``)."""
 
 
-def _mamba2_modeling_module(mixer: torch.nn.Module) -> Any:
-    """The modeling module whose functions ``mixer``'s forward calls (that of its Hugging Face class, past wrappers)."""
-    cls = next(cls for cls in type(mixer).__mro__ if cls.__name__ in _MAMBA2_MIXERS)
-    return sys.modules[cls.__module__]
+def _modeling_module(mixer: torch.nn.Module) -> tuple[Any, dict[str, Callable[..., Any]]]:
+    """The modeling module whose functions ``mixer``'s forward calls (that of its Hugging Face class, past wrappers),
+    and the routes of its family."""
+    cls = next(cls for cls in type(mixer).__mro__ if cls.__name__ in _ROUTED_MIXERS)
+    return sys.modules[cls.__module__], _ROUTED_MIXERS[cls.__name__]
 
 
-def _use_cp_mamba2_scans(model: torch.nn.Module) -> None:
-    """Route the convolution and scan of every Mamba2 mixer family in ``model`` through lightning_cp under a step
-    (its modeling module's functions; weights, forward and everything outside a step unchanged). A modeling module
-    without those functions (older transformers, remote code) is left alone: its layers stay refused at cp > 1."""
+def _use_cp_sequence_mixers(model: torch.nn.Module) -> None:
+    """Route the convolution and scan of every Mamba2 and Gated DeltaNet mixer family in ``model`` through lightning_cp
+    under a step (its modeling module's functions; weights, forward and everything outside a step unchanged). A
+    modeling module without those functions (older transformers, remote code) is left alone: its layers stay refused
+    at cp > 1."""
     for mixer in model.modules():
-        if comm.original_class_name(mixer) not in _MAMBA2_MIXERS:
+        if comm.original_class_name(mixer) not in _ROUTED_MIXERS:
             continue
-        modeling = _mamba2_modeling_module(mixer)
-        if not all(callable(getattr(modeling, name, None)) for name in _MAMBA2_ROUTES):
+        modeling, routes = _modeling_module(mixer)
+        if not all(callable(getattr(modeling, name, None)) for name in routes):
             continue
-        for name, under_step in _MAMBA2_ROUTES.items():
+        for name, under_step in routes.items():
             if not isinstance(original := getattr(modeling, name), _RoutedUnderCP):
                 setattr(modeling, name, _RoutedUnderCP(original, under_step))
 
 
-def _mamba2_mixers_routed(model: torch.nn.Module) -> int:
-    """How many Mamba2 mixers of ``model`` run their convolution and scan through lightning_cp under a step."""
-    mixers = [module for module in model.modules() if comm.original_class_name(module) in _MAMBA2_MIXERS]
-    modelings = [_mamba2_modeling_module(mixer) for mixer in mixers]
-    routed = [all(isinstance(getattr(m, name, None), _RoutedUnderCP) for name in _MAMBA2_ROUTES) for m in modelings]
-    return sum(routed)
+def _routed_mixer_count(model: torch.nn.Module) -> int:
+    """How many Mamba2 and Gated DeltaNet mixers of ``model`` run through lightning_cp under a step."""
+    mixers = [module for module in model.modules() if comm.original_class_name(module) in _ROUTED_MIXERS]
+    families = [_modeling_module(mixer) for mixer in mixers]
+    return sum(
+        all(isinstance(getattr(modeling, name, None), _RoutedUnderCP) for name in routes)
+        for modeling, routes in families
+    )
 
 
 def _exact_layer_types(model: torch.nn.Module, layer_types: tuple[str, ...]) -> frozenset[str]:
     """Layer types whose token mixing is exact under a step in ``model``: attention; ``conv`` when every
     short-convolution mixer runs ``cp_causal_conv1d``; ``linear_attention`` and ``hybrid`` when each such layer holds a
-    Mamba2 mixer routed through ``cp_causal_conv1d`` and ``cp_ssd_scan`` (other linear attention, such as the gated
-    delta rule, is not)."""
+    routed Mamba2 or Gated DeltaNet mixer (other linear attention, such as Jamba's Mamba1 or Kimi's, is not)."""
     exact = set(_TOKEN_WISE_LAYER_TYPES)
     mixers = [module for module in model.modules() if comm.original_class_name(module) in _SHORT_CONVOLUTIONS]
     if mixers and all(isinstance(mixer.forward, _ShortConvolutionUnderCP) for mixer in mixers):
         exact.add("conv")
     scanned = sum(kind in ("linear_attention", "hybrid") for kind in layer_types)
-    if scanned and _mamba2_mixers_routed(model) == scanned:
+    if scanned and _routed_mixer_count(model) == scanned:
         exact |= {"linear_attention", "hybrid"}
     return frozenset(exact)
 
@@ -380,7 +414,7 @@ class HFCausalLM(CausalLMModule):
             model = model_or_path
             model.set_attn_implementation(ATTENTION_NAME)
         _use_cp_short_convolutions(model)
-        _use_cp_mamba2_scans(model)
+        _use_cp_sequence_mixers(model)
         if getattr(model.config.get_text_config(), "alibi", False):
             raise ValueError(
                 f"{type(model).__name__} uses ALiBi position biases, which the '{ATTENTION_NAME}' attention cannot add"
