@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy
 from lightning_cp.core.step import ContextParallelStep, activated
 from lightning_cp.hf import HFCausalLM
-from lightning_cp.lightning.hf import _MAMBA2_ROUTES, _no_mask, _RoutedUnderCP, _row_order_problems
+from lightning_cp.lightning.hf import _DELTA_RULE_ROUTES, _MAMBA2_ROUTES, _no_mask, _RoutedUnderCP, _row_order_problems
 from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
 from tests.model_helpers import ATTENTION, POLICY, TRAINER_OPTIONS, TinyTransformer, packed_batches
 
@@ -110,6 +110,9 @@ def tiny_model(family: str, attention: str = "sdpa", lora: bool = False) -> tran
         adapters = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
         model = get_peft_model(model, adapters).double()
     return model
+
+
+ROUTES = {"bamba": _MAMBA2_ROUTES, "qwen3_5": _DELTA_RULE_ROUTES}
 
 
 class SGDCausalLM(HFCausalLM):
@@ -377,12 +380,13 @@ def _fit_bf16_mixed(world: int, family: str) -> list[float]:
     return recorder.losses
 
 
-@pytest.mark.parametrize(("family", "tolerance"), [("llama", 2e-3), ("lfm2", 2e-3), ("bamba", 5e-4)])
+@pytest.mark.parametrize(("family", "tolerance"), [("llama", 2e-3), ("lfm2", 2e-3), ("bamba", 5e-4), ("qwen3_5", 1e-4)])
 def test_bf16_mixed_fine_tuning_under_cp_matches_one_device_within_bf16_rounding(family, tolerance):
     """Under autocast a Hugging Face layer hands the attention float32 q, k (rotated by float32 cos/sin) and a bf16
     v: ``cp_attention`` casts them to the autocast's dtype as SDPA does, and cp=2 trains like the float64 reference
-    (relative 2e-3); LFM2's convolutions run in bf16 under autocast too. Bamba's scan computes in float32 from bf16
-    projections (relative 5e-4: a state leaking across documents or shards costs 2e-3 in its first loss)."""
+    (relative 2e-3); LFM2's convolutions run in bf16 under autocast too. Bamba's scan and Qwen3.5's gated delta rule
+    compute in float32 from bf16 projections (relative 5e-4 and 1e-4: a state leaking across documents or shards
+    costs 2e-3 and 3e-4 in their first loss)."""
     expected, _ = reference_losses(family, make_batches("packed")[1])
     for losses in run_on_ranks(_fit_bf16_mixed, 2, 2, family, init_process_group=False):
         assert len(losses) == STEPS
@@ -658,13 +662,14 @@ def test_outside_a_step_the_model_computes_what_hugging_face_sdpa_computes(famil
         assert torch.allclose(wrapped(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits)
 
 
-def test_outside_a_step_a_mamba2_model_computes_with_its_own_functions(monkeypatch):
-    """The routed convolution and scan are the modeling module's own outside a step: cached generation and a forward
-    of the wrapped Bamba model equal those with the module's functions put back (bit for bit). Under a step a cache
-    is refused, naming the fix."""
-    wrapped = HFCausalLM(tiny_model("bamba")).model.eval()
+@pytest.mark.parametrize("family", ["bamba", "qwen3_5"])
+def test_outside_a_step_a_routed_model_computes_with_its_own_functions(family, monkeypatch):
+    """The routed convolution and scan (Bamba) or delta rule (Qwen3.5) are the modeling module's own outside a step:
+    cached generation and a forward of the wrapped model equal those with the module's functions put back (bit for
+    bit). Under a step a cache is refused, naming the fix."""
+    wrapped = HFCausalLM(tiny_model(family)).model.eval()
     modeling = sys.modules[type(wrapped).__module__]
-    routed = {name: getattr(modeling, name) for name in _MAMBA2_ROUTES}
+    routed = {name: getattr(modeling, name) for name in ROUTES[family]}
     assert all(isinstance(function, _RoutedUnderCP) for function in routed.values()), routed
     ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
 
