@@ -1,0 +1,149 @@
+"""What the library's chunked scans cost against Hugging Face's reference scans, side by side.
+
+Forward + backward on one process, one thread, float32, each candidate timed in turn within every repetition:
+- Mamba2's selective scan (8 heads of 64, state 64, one group, chunks of 256 tokens): ``hf`` is ``mamba2_chunk_scan``
+  of ``transformers``' Bamba; the gated delta rule (8 heads, dk = dv = 64, chunks of 64): ``hf`` is
+  ``torch_chunk_gated_delta_rule`` of ``transformers``' Qwen3.5 (each on one sequence, no document starts);
+- ``ours``: ``cp_ssd_scan`` / ``cp_gated_delta_rule`` on the same sequence without a step;
+- ``ours packed``: the same under a one-process step on documents of 1 to 4k tokens (2k on average), restarting at
+  each document's start (what ``hf`` cannot do on a packed row).
+The tables show medians and ratios to ``hf``, and each candidate's peak memory: the growth of the resident set during
+one forward + backward, measured alone after the timings.
+
+Run: ``python benchmarks/scan_bench.py`` (``--quick`` for one size); the tables are printed and saved to
+``benchmarks/results/scan_bench.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from convolution_bench import packed_batch
+from memory_bench import proc_status_mib, reset_peak
+from transformers.models.bamba.modeling_bamba import mamba2_chunk_scan
+from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+from lightning_cp import ContextParallelRuntime, ContextParallelSetting, cp_gated_delta_rule, cp_ssd_scan
+
+RESULTS = Path(__file__).resolve().parent / "results" / "scan_bench.md"
+HEADS, HEAD_DIM, STATE = 8, 64, 64
+CANDIDATES = ("hf", "ours", "ours packed")
+SCANS = ("mamba2", "gated delta rule")
+
+
+def _inputs(scan: str, tokens: int) -> tuple[torch.Tensor, ...]:
+    """One row of ``tokens`` tokens: x, dt (positive), A (negative), B, C for Mamba2; q, k (unit length), v, g (log
+    decays), beta for the gated delta rule."""
+    generator = torch.Generator().manual_seed(0)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator)
+
+    def uniform(*shape: int) -> torch.Tensor:
+        return torch.rand(*shape, generator=generator)
+
+    if scan == "mamba2":
+        return normal(1, tokens, HEADS, HEAD_DIM), uniform(1, tokens, HEADS) * 0.1 + 0.01, -uniform(HEADS) - 0.5, \
+            normal(1, tokens, 1, STATE), normal(1, tokens, 1, STATE)  # fmt: skip
+    q, k = (F.normalize(normal(1, tokens, HEADS, HEAD_DIM), dim=-1) for _ in range(2))
+    return q, k, normal(1, tokens, HEADS, HEAD_DIM), -uniform(1, tokens, HEADS) * 0.1, uniform(1, tokens, HEADS)
+
+
+def _candidates(scan: str, tokens: int) -> dict[str, Callable[[], None]]:
+    """One forward + backward per candidate, on fresh leaf copies of the same inputs."""
+    inputs = _inputs(scan, tokens)
+    runtime = ContextParallelRuntime(ContextParallelSetting())
+    batch = packed_batch(tokens, seed=1)
+
+    def leaves() -> list[torch.Tensor]:
+        return [tensor.clone().requires_grad_() for tensor in inputs]
+
+    def hf() -> None:
+        if scan == "mamba2":
+            mamba2_chunk_scan(*leaves(), chunk_size=256).sum().backward()
+        else:  # its queries are scaled inside; ours are given scaled
+            q, k, v, g, beta = leaves()
+            torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, chunk_size=64)[0].sum().backward()
+
+    def ours() -> None:
+        if scan == "mamba2":
+            cp_ssd_scan(*leaves(), chunk_size=256).sum().backward()
+        else:
+            q, k, v, g, beta = leaves()
+            cp_gated_delta_rule(q * HEAD_DIM**-0.5, k, v, g, beta, chunk_size=64).sum().backward()
+
+    def ours_packed() -> None:
+        with runtime.step(dict(batch)):
+            ours()
+
+    return {"hf": hf, "ours": ours, "ours packed": ours_packed}
+
+
+def measure(scan: str, tokens: int, repeats: int) -> dict[str, float]:
+    """Median seconds per candidate, the candidates interleaved within each repetition (after one warm-up)."""
+    candidates = _candidates(scan, tokens)
+    times: dict[str, list[float]] = {name: [] for name in CANDIDATES}
+    for repeat in range(repeats + 1):
+        for name in CANDIDATES:
+            start = time.perf_counter()
+            candidates[name]()
+            if repeat:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def peak_mib(scan: str, tokens: int) -> dict[str, float]:
+    """Each candidate's resident-set growth during one forward + backward, run alone after a reset of the peak."""
+    candidates = _candidates(scan, tokens)
+    peaks = {}
+    for name in CANDIDATES:
+        reset_peak()
+        before = proc_status_mib("VmRSS")
+        candidates[name]()
+        peaks[name] = proc_status_mib("VmHWM") - before
+    return peaks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="4k tokens only")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    sizes = (4096,) if args.quick else (4096, 16384)
+    lines = [
+        "# Chunked scans: the library's against Hugging Face's reference scans",
+        "",
+        f"Forward + backward, one process, one thread, float32, {HEADS} heads of {HEAD_DIM} (Mamba2: state {STATE}, "
+        f"chunks of 256; gated delta rule: dk = dv = {HEAD_DIM}, chunks of 64); medians of {args.repeats} "
+        f"({platform.machine()}, torch {torch.__version__}).",
+        "",
+        "| scan | tokens | hf (ms) | ours (ms) | ours packed (ms) | ours / hf | ours packed / hf | peak MiB hf / ours "
+        "/ ours packed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for scan in SCANS:
+        for tokens in sizes:
+            times = measure(scan, tokens, args.repeats)
+            hf, ours, packed = (times[name] * 1e3 for name in CANDIDATES)
+            peaks = " / ".join(f"{peak:.0f}" for peak in peak_mib(scan, tokens).values())
+            lines.append(
+                f"| {scan} | {tokens} | {hf:.1f} | {ours:.1f} | {packed:.1f} | {ours / hf:.2f} | {packed / hf:.2f} "
+                f"| {peaks} |"
+            )
+            print(lines[-1], flush=True)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
