@@ -93,7 +93,7 @@ def _rule_error(
             return torch.where(mask, tensor[:, taken], 0)[:, : -1 if drop_last else None].detach().requires_grad_()
 
         shards = [shard_of(tensor) for tensor in inputs]
-        output = cp_gated_delta_rule(*shards, chunk_size=chunk_size)
+        output = cp_gated_delta_rule(*shards, scale=1.0, chunk_size=chunk_size)
         if mixed:
             difference = (output - expected[:, taken]) * real.view(1, -1, 1, 1)
             return [difference.abs().max().item() / expected.abs().max().item()]
@@ -115,9 +115,10 @@ def _rule_error(
         (4, "contiguous", (60,), 3, 1),
         (2, "zigzag", None, 5, 2),
         (1, "zigzag", MIXED_DOCUMENTS, 4, 1),
+        (2, "contiguous", (5, 26, 31), 4, 1),
     ],
     ids=["cp3-contiguous", "cp3-zigzag", "cp2-zigzag-one-chunk", "cp4-one-document-over-all-shards", "cp2-dense",
-         "cp1-packed"],
+         "cp1-packed", "cp2-a-document-starting-a-shard"],
 )  # fmt: skip
 def test_the_rule_matches_each_document_alone(
     ranks: int, boundary: str, lengths: tuple[int, ...] | None, chunk_size: int, rows: int
@@ -163,17 +164,38 @@ def test_without_a_step_each_row_is_one_document_and_shapes_are_checked() -> Non
     """Outside a step: each row run alone (float64, 1e-12); float32 inputs compute and return float32, also under a
     bf16 autocast (bit for bit); bad shapes name what was given and what is expected."""
     inputs = _random_inputs(2, 11, torch.Generator().manual_seed(3))
-    torch.testing.assert_close(cp_gated_delta_rule(*inputs, chunk_size=4), _per_document(inputs, (11,)), rtol=0,
-                               atol=1e-12)  # fmt: skip
+    got = cp_gated_delta_rule(*inputs, scale=1.0, chunk_size=4)
+    torch.testing.assert_close(got, _per_document(inputs, (11,)), rtol=0, atol=1e-12)
     single = tuple(tensor.float() for tensor in inputs)
     expected = cp_gated_delta_rule(*single)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = cp_gated_delta_rule(*single)
     assert got.dtype == torch.float32 and torch.equal(got, expected)
     q, k, v, g, beta = inputs
-    for bad in ((q[..., :2], k, v, g, beta), (q, k, v[:, :3], g, beta), (q, k, v, g, beta[..., :1])):
-        with pytest.raises(ValueError, match="expected q and k \\[b, S, heads, dk\\], v \\[b, S, heads, dv\\]"):
+    for bad in ((q[..., :2], k, v, g, beta), (q, k, v[:, :3], g, beta), (q, k, v, g, beta[..., :1]),
+                (q[:, :, :2], k[:, :, :2], v, g, beta)):  # fmt: skip
+        with pytest.raises(ValueError, match="expected q and k \\[b, S, key_heads, dk\\], v \\[b, S, heads, dv\\]"):
             cp_gated_delta_rule(*bad)
+
+
+def test_grouped_keys_normalisation_and_scale_are_applied_as_documented() -> None:
+    """One key head per three value heads, L2-normalised q and k and a scale: the same as the heads repeated, the
+    vectors normalised (``x / sqrt(|x|^2 + 1e-6)``) and q scaled by hand (float64, 1e-12); the default scale is
+    ``dk ** -0.5``."""
+    generator = torch.Generator().manual_seed(8)
+    _, _, v, g, beta = _random_inputs(2, 9, generator)
+    q, k = (torch.randn(2, 9, 1, KEY_DIM, generator=generator, dtype=torch.float64) for _ in range(2))
+
+    def by_hand(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.repeat_interleave(HEADS, dim=2)
+        return tensor / torch.sqrt((tensor * tensor).sum(-1, keepdim=True) + 1e-6)
+
+    expected = _per_document((by_hand(q) * 0.7, by_hand(k), v, g, beta), (9,))
+    got = cp_gated_delta_rule(q, k, v, g, beta, scale=0.7, l2_normalize_qk=True, chunk_size=4)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    q, k = by_hand(q), by_hand(k)
+    default = _per_document((q * KEY_DIM**-0.5, k, v, g, beta), (9,))
+    torch.testing.assert_close(cp_gated_delta_rule(q, k, v, g, beta, chunk_size=4), default, rtol=0, atol=1e-12)
 
 
 def test_the_chunked_rule_restarts_at_document_starts_from_any_state() -> None:

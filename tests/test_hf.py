@@ -76,6 +76,11 @@ FAMILIES = {
     "qwen3_5": lambda: transformers.Qwen3_5TextConfig(
         **SMALL, layer_types=["linear_attention", "full_attention"], head_dim=8, **GATED_DELTA_NET
     ),
+    "qwen3_5_moe": lambda: transformers.Qwen3_5MoeTextConfig(
+        **SMALL, layer_types=["linear_attention", "full_attention"], head_dim=8, **GATED_DELTA_NET, num_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        experts_implementation="eager",
+    ),
     "qwen3_next": lambda: transformers.Qwen3NextConfig(
         **SMALL, layer_types=["linear_attention", "full_attention"], head_dim=8, **GATED_DELTA_NET, num_experts=2,
         num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16,
@@ -87,7 +92,18 @@ FAMILIES = {
     ),
 }  # fmt: skip
 TOLERANCES = dict.fromkeys(
-    ("bamba", "granitemoehybrid", "falcon_h1", "nemotron_h", "zamba2", "qwen3_5", "qwen3_next", "olmo_hybrid"), 1e-6
+    (
+        "bamba",
+        "granitemoehybrid",
+        "falcon_h1",
+        "nemotron_h",
+        "zamba2",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_next",
+        "olmo_hybrid",
+    ),
+    1e-6,
 )
 """Relative tolerances where the unmodified model is not float64 throughout: Hugging Face's Mamba2 scan and gated
 delta rule compute in float32 even in a float64 model (Nemotron-H also makes its logits in float32); the library's
@@ -270,6 +286,7 @@ RUNS = [
     ("qwen3_5", "packed", 2, {}, False),
     ("qwen3_5", "dense", 4, {"attention_mode": "ring"}, True),
     ("qwen3_next", "flattening", 2, {"data_parallel": "fsdp"}, False),
+    ("qwen3_5_moe", "packed", 2, {"attention_mode": "ring"}, False),
     ("olmo_hybrid", "packed", 2, {"attention_mode": "ulysses"}, False),
     ("qwen3_5", "packed", 1, {}, False),
 ]

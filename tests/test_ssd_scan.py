@@ -122,9 +122,10 @@ def _scan_error(
         (4, "contiguous", (60,), 3, 1),
         (2, "zigzag", None, 5, 2),
         (1, "zigzag", MIXED_DOCUMENTS, 4, 1),
+        (2, "contiguous", (5, 26, 31), 4, 1),
     ],
     ids=["cp3-contiguous", "cp3-zigzag", "cp2-zigzag-one-chunk", "cp4-one-document-over-all-shards", "cp2-dense",
-         "cp1-packed"],
+         "cp1-packed", "cp2-a-document-starting-a-shard"],
 )  # fmt: skip
 def test_the_scan_matches_each_document_alone(
     ranks: int, boundary: str, lengths: tuple[int, ...] | None, chunk_size: int, rows: int

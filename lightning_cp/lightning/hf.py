@@ -248,17 +248,14 @@ def _gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """A Gated DeltaNet layer's chunked rule under a step: query and key as Hugging Face's reference makes them (one
-    per value head, L2-normalised if asked, queries scaled by ``dk ** -0.5``), then ``cp_gated_delta_rule`` (documents
+    """A Gated DeltaNet layer's chunked rule under a step: ``cp_gated_delta_rule`` with the preparation of Hugging
+    Face's reference (query and key per key head, L2-normalised if asked, queries scaled by ``dk ** -0.5``; documents
     come from the step, not from ``cu_seqlens``); the output in the query's dtype, and no state."""
     _refuse_cache(initial_state if initial_state is not None or not output_final_state else "a final state")
-    output_dtype, heads = query.dtype, value.shape[2]
-    dtype = torch.promote_types(query.dtype, torch.float32)
-    query, key = (tensor.repeat_interleave(heads // tensor.shape[2], dim=2).to(dtype) for tensor in (query, key))
-    if use_qk_l2norm_in_kernel:
-        query, key = (tensor * torch.rsqrt((tensor * tensor).sum(-1, keepdim=True) + 1e-6) for tensor in (query, key))
-    output = cp_gated_delta_rule(query * query.shape[-1] ** -0.5, key, value, g, beta, chunk_size=chunk_size)
-    return output.to(output_dtype), None
+    output = cp_gated_delta_rule(
+        query, key, value, g, beta, l2_normalize_qk=use_qk_l2norm_in_kernel, chunk_size=chunk_size
+    )
+    return output.to(query.dtype), None
 
 
 def _refuse_cache(cache: Any) -> None:
@@ -288,6 +285,11 @@ and those functions: Mamba2 mixers (an input projection, ``causal_conv1d_forward
 norm, an output projection) and Gated DeltaNet ones (``causal_conv1d_forward``, ``torch_chunk_gated_delta_rule``)."""
 
 
+_BOUND_KERNELS = ("chunk_gated_delta_rule", "recurrent_gated_delta_rule", "causal_conv1d_fn")
+"""Attributes through which other transformers releases' mixers call their kernels (bound in ``__init__``): such a
+mixer would not call the routed module functions, so it is left alone."""
+
+
 def _modeling_module(mixer: torch.nn.Module) -> tuple[Any, dict[str, Callable[..., Any]]]:
     """The modeling module whose functions ``mixer``'s forward calls (that of its Hugging Face class, past wrappers),
     and the routes of its family."""
@@ -304,7 +306,8 @@ def _use_cp_sequence_mixers(model: torch.nn.Module) -> None:
         if comm.original_class_name(mixer) not in _ROUTED_MIXERS:
             continue
         modeling, routes = _modeling_module(mixer)
-        if not all(callable(getattr(modeling, name, None)) for name in routes):
+        bound = any(hasattr(mixer, name) for name in _BOUND_KERNELS)  # calls its own attribute, not the module's
+        if bound or not all(callable(getattr(modeling, name, None)) for name in routes):
             continue
         for name, under_step in routes.items():
             if not isinstance(original := getattr(modeling, name), _RoutedUnderCP):
@@ -314,10 +317,10 @@ def _use_cp_sequence_mixers(model: torch.nn.Module) -> None:
 def _routed_mixer_count(model: torch.nn.Module) -> int:
     """How many Mamba2 and Gated DeltaNet mixers of ``model`` run through lightning_cp under a step."""
     mixers = [module for module in model.modules() if comm.original_class_name(module) in _ROUTED_MIXERS]
-    families = [_modeling_module(mixer) for mixer in mixers]
     return sum(
         all(isinstance(getattr(modeling, name, None), _RoutedUnderCP) for name in routes)
-        for modeling, routes in families
+        and not any(hasattr(mixer, name) for name in _BOUND_KERNELS)
+        for mixer, (modeling, routes) in zip(mixers, map(_modeling_module, mixers), strict=True)
     )
 
 

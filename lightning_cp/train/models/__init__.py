@@ -1,11 +1,13 @@
-"""The reference Llama-style decoder (attention blocks, and recurrent or short-convolution ones in hybrid stacks) and
-its module."""
+"""The reference Llama-style decoder (attention blocks, and recurrent, short-convolution or Mamba2 ones in hybrid
+stacks) and its module."""
 
 from lightning_cp.train.models.layers import (
     Attention,
     ConvolutionDecoderBlock,
     DecoderBlock,
     GatedRecurrence,
+    Mamba2Mixer,
+    MambaBlock,
     RecurrentBlock,
     ShortConvolution,
     SwiGLU,
@@ -21,6 +23,8 @@ __all__ = [
     "LlamaConfig",
     "LlamaDecoder",
     "LlamaLM",
+    "Mamba2Mixer",
+    "MambaBlock",
     "RecurrentBlock",
     "ShortConvolution",
     "SwiGLU",

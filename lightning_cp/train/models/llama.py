@@ -59,8 +59,7 @@ def _block(kind: str, config: LlamaConfig) -> nn.Module:
 
 class LlamaDecoder(nn.Module):
     """Token embedding, ``num_layers`` blocks (attention, or recurrent, convolution or Mamba2 where ``layer_types``
-    says),
-    final RMSNorm and the (tied or untied) output head."""
+    says), final RMSNorm and the (tied or untied) output head."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
