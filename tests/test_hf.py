@@ -717,6 +717,15 @@ class BambaMixer(torch.nn.Module):
         return self.proj(hidden_states).cumsum(dim=1)
 
 
+def test_a_mixer_calling_kernels_bound_to_itself_stays_refused():
+    """A Gated DeltaNet layer that calls the kernel it holds as an attribute (as older transformers releases bound
+    ``chunk_gated_delta_rule`` in ``__init__``) would not run the routed module function: refused under CP."""
+    model = tiny_model("qwen3_5")
+    mixer = next(module for module in model.modules() if type(module).__name__ == "Qwen3_5GatedDeltaNet")
+    mixer.chunk_gated_delta_rule = sys.modules[type(mixer).__module__].torch_chunk_gated_delta_rule
+    assert _row_order_problems(HFCausalLM(model).model) == ["layers of type linear_attention"]
+
+
 def test_a_mamba2_family_without_the_routed_functions_still_builds_and_stays_refused():
     """The model builds and trains at cp=1 on one document per row as before, and its Mamba2 layers stay refused
     under CP (before, an ``AttributeError`` when the module was built)."""
