@@ -113,10 +113,11 @@ def gated_delta_scan(
     chunk_decay = _masked_exp(cumulative[..., -1], segment[:, -1] == entering_run[:, 0])[..., None, None]
     within = (q @ k.transpose(-1, -2)) * pair_decay
     state, outputs = initial_state, []
-    for chunk in range(chunks):
-        corrected = new_values[:, :, chunk] - state_reads[:, :, chunk] @ state
-        outputs.append(q_reads[:, :, chunk] @ state + within[:, :, chunk] @ corrected)
-        state = state * chunk_decay[:, :, chunk] + k_to_end[:, :, chunk].transpose(-1, -2) @ corrected
+    per_chunk = (tensor.unbind(2) for tensor in (new_values, state_reads, q_reads, within, k_to_end, chunk_decay))
+    for values, reads, queries, attended, keys, decay in zip(*per_chunk, strict=True):  # unbind: a linear backward
+        corrected = values - reads @ state
+        outputs.append(queries @ state + attended @ corrected)
+        state = state * decay + keys.transpose(-1, -2) @ corrected
     o = torch.stack(outputs, dim=2).flatten(2, 3)[:, :, :length]
     return o.transpose(1, 2), state
 

@@ -106,9 +106,9 @@ def gated_scan(values: torch.Tensor, log_decays: torch.Tensor, starts: torch.Ten
     the exponential, so no gradient is NaN), the last state carried from chunk to chunk. Each chunk keeps a
     ``[B, chunk, chunk, D]`` matrix for the backward: ``chunk`` times the values' memory."""
     outputs, carried = [], values.new_zeros(values[:, 0].shape)
-    for first in range(0, values.shape[1], chunk):
-        x, log_a = values[:, first : first + chunk], log_decays[:, first : first + chunk]
-        document = torch.cumsum(starts[:, first : first + chunk].long(), 1)  # documents begun in the chunk so far
+    pieces = (tensor.split(chunk, dim=1) for tensor in (values, log_decays, starts))  # split: a linear backward
+    for x, log_a, chunk_starts in zip(*pieces, strict=True):
+        document = torch.cumsum(chunk_starts.long(), 1)  # documents begun in the chunk so far
         decayed = torch.cumsum(log_a, 1)
         length = x.shape[1]
         causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
