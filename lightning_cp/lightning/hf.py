@@ -251,16 +251,17 @@ def _gated_delta_rule(
     """A Gated DeltaNet layer's chunked rule under a step: ``cp_gated_delta_rule`` with the preparation of Hugging
     Face's reference (query and key per key head, L2-normalised if asked, queries scaled by ``dk ** -0.5``; documents
     come from the step, not from ``cu_seqlens``); the output in the query's dtype, and no state."""
-    _refuse_cache(initial_state if initial_state is not None or not output_final_state else "a final state")
+    _refuse_cache(initial_state, output_final_state)
     output = cp_gated_delta_rule(
         query, key, value, g, beta, l2_normalize_qk=use_qk_l2norm_in_kernel, chunk_size=chunk_size
     )
     return output.to(query.dtype), None
 
 
-def _refuse_cache(cache: Any) -> None:
-    """Raise when a mixer under a step is given a cache: a step trains on whole documents, not token by token."""
-    if cache is not None:
+def _refuse_cache(*states: Any) -> None:
+    """Raise when a mixer under a step is given a cache or a state, or asked for one: a step trains on whole
+    documents, not token by token."""
+    if any(state is not None and state is not False for state in states):
         raise ValueError("a cache under a CP step: pass use_cache=False (steps train on whole documents)")
 
 
