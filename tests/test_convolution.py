@@ -8,14 +8,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_cp import ContextParallelRuntime, ContextParallelSetting, cp_causal_conv1d
-from lightning_cp.core.mesh import ParallelDims, build_context_parallel_mesh
+from lightning_cp import cp_causal_conv1d
 from lightning_cp.core.windows import build_causal_window_plan
 from lightning_cp.core.zigzag import RankTokens, ZigzagGeometry, stream_tokens
 from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
+from tests.shard_helpers import MIXED_DOCUMENTS, batch_length, step_over_the_world
 
 CHANNELS = 3
-MIXED_DOCUMENTS = (1, 13, 2, 7, 30, 3, 1, 5)
 
 
 def _per_document_convolution(
@@ -41,18 +40,8 @@ def _convolution_error(
     ulysses: int = 1,
 ) -> list[float]:
     """This rank's largest differences to one process: outputs, input gradients, and (summed over the ranks) weight
-    and bias gradients, for packed documents of ``lengths`` (None: ``rows`` dense rows of 22 tokens) in the
-    ``boundary`` layout; ``drop_last``: the shard given without its last token; ``tensor_parallel`` > 1: under
-    sequence parallelism; ``ulysses`` > 1: ``attention_mode="hybrid"`` with that Ulysses part."""
-    world = dist.get_world_size()
-    dims = ParallelDims(1, world // tensor_parallel, tensor_parallel, ulysses)
-    mesh = build_context_parallel_mesh("cpu", dims)
-    mode = "hybrid" if ulysses > 1 else "allgather"
-    setting = ContextParallelSetting(
-        mesh, boundary_layout=boundary, sequence_parallel=tensor_parallel > 1, attention_mode=mode
-    )
-    runtime = ContextParallelRuntime(setting)
-    total = 22 if lengths is None else sum(lengths)
+    and bias gradients, for the batch ``step_over_the_world`` makes of the arguments."""
+    total = batch_length(lengths)
     generator = torch.Generator().manual_seed(11)
     x = torch.randn(rows, total, CHANNELS, generator=generator, dtype=torch.float64)
     weight = torch.randn(CHANNELS, kernel, generator=generator, dtype=torch.float64)
@@ -62,26 +51,19 @@ def _convolution_error(
     whole_weight, whole_bias = weight.clone().requires_grad_(), bias.clone().requires_grad_()
     expected = _per_document_convolution(whole, whole_weight, whole_bias, lengths or (total,))
     (expected * loss_weights).sum().backward()
-    batch: dict[str, torch.Tensor] = {"input_ids": torch.arange(1, total + 1).repeat(rows, 1)}
-    if lengths is not None:
-        batch["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    with runtime.step(batch):
-        positions = batch["input_ids"][0] - 1  # -1: a padding slot
-        real = (positions >= 0).view(1, -1, 1)
-        taken = positions.clamp(min=0)
-        shard = torch.where(real, x[:, taken], 0)[:, : -1 if drop_last else None].requires_grad_()
+    with step_over_the_world(boundary, lengths, rows, tensor_parallel, ulysses, drop_last) as slots:
+        shard = slots.shard(x)
         shard_weight, shard_bias = weight.clone().requires_grad_(), bias.clone().requires_grad_()
         output = cp_causal_conv1d(shard, shard_weight, shard_bias)
-        (output * loss_weights[:, taken] * real).sum().backward()
+        (output * loss_weights[:, slots.taken] * slots.mask(output)).sum().backward()
     for grad in (shard_weight.grad, shard_bias.grad):
-        dist.all_reduce(grad, group=setting.loss_group)
-    pairs = [
-        (output * real, expected[:, taken] * real),
-        (shard.grad * real, whole.grad[:, taken] * real),
-        (shard_weight.grad, whole_weight.grad),
-        (shard_bias.grad, whole_bias.grad),
+        dist.all_reduce(grad, group=slots.setting.loss_group)
+    return [
+        slots.error(output, expected),
+        slots.error(shard.grad, whole.grad),
+        (shard_weight.grad - whole_weight.grad).abs().max().item(),
+        (shard_bias.grad - whole_bias.grad).abs().max().item(),
     ]
-    return [(actual - reference).abs().max().item() for actual, reference in pairs]
 
 
 @pytest.mark.parametrize(

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from lightning_cp import ContextParallelRuntime, ContextParallelSetting, cp_gated_delta_rule
-from lightning_cp.core.mesh import ParallelDims, build_context_parallel_mesh
+from lightning_cp import cp_gated_delta_rule
 from lightning_cp.core.scan import gated_delta_scan
 from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
+from tests.shard_helpers import MIXED_DOCUMENTS, SCAN_CASES, batch_length, step_over_the_world
 
 HEADS, KEY_DIM, VALUE_DIM = 3, 4, 5
-MIXED_DOCUMENTS = (1, 13, 2, 7, 30, 3, 1, 5)
 
 
 def _stepwise(
@@ -59,19 +57,10 @@ def _rule_error(
     drop_last: bool = False,
     mixed: bool = False,
 ) -> list[float]:
-    """This rank's largest differences to one process: outputs and the gradients of every input, for packed
-    documents of ``lengths`` (None: ``rows`` dense rows of 22 tokens) given in the ``boundary`` layout;
-    ``tensor_parallel`` > 1: under sequence parallelism; ``ulysses`` > 1: ``attention_mode="hybrid"``; ``drop_last``:
-    the shard given without its last token; ``mixed``: q, k, v in bf16 and the gates in float32, as under autocast
-    (the reference: the same rounded values in float64), and only the output's relative error."""
-    world = dist.get_world_size()
-    mesh = build_context_parallel_mesh("cpu", ParallelDims(1, world // tensor_parallel, tensor_parallel, ulysses))
-    setting = ContextParallelSetting(
-        mesh, boundary_layout=boundary, sequence_parallel=tensor_parallel > 1,
-        attention_mode="hybrid" if ulysses > 1 else "allgather",
-    )  # fmt: skip
-    runtime = ContextParallelRuntime(setting)
-    total = 22 if lengths is None else sum(lengths)
+    """This rank's largest differences to one process: outputs and the gradients of every input, for the batch
+    ``step_over_the_world`` makes of the arguments; ``mixed``: q, k, v in bf16 and the gates in float32, as under
+    autocast (the reference: the same rounded values in float64), and only the output's relative error."""
+    total = batch_length(lengths)
     generator = torch.Generator().manual_seed(5)
     inputs = _random_inputs(rows, total, generator)
     if mixed:
@@ -80,46 +69,17 @@ def _rule_error(
     whole = [tensor.double().clone().requires_grad_() for tensor in inputs]
     expected = _per_document(tuple(whole), lengths or (total,))
     (expected * loss_weights).sum().backward()
-    batch: dict[str, torch.Tensor] = {"input_ids": torch.arange(1, total + 1).repeat(rows, 1)}
-    if lengths is not None:
-        batch["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    with runtime.step(batch):
-        positions = batch["input_ids"][0] - 1  # -1: a padding slot
-        real = positions >= 0
-        taken = positions.clamp(min=0)
-
-        def shard_of(tensor: torch.Tensor) -> torch.Tensor:
-            mask = real.view(1, -1, *[1] * (tensor.dim() - 2))
-            return torch.where(mask, tensor[:, taken], 0)[:, : -1 if drop_last else None].detach().requires_grad_()
-
-        shards = [shard_of(tensor) for tensor in inputs]
+    with step_over_the_world(boundary, lengths, rows, tensor_parallel, ulysses, drop_last) as slots:
+        shards = [slots.shard(tensor) for tensor in inputs]
         output = cp_gated_delta_rule(*shards, scale=1.0, chunk_size=chunk_size)
         if mixed:
-            difference = (output - expected[:, taken]) * real.view(1, -1, 1, 1)
-            return [difference.abs().max().item() / expected.abs().max().item()]
-        (output * loss_weights[:, taken] * real.view(1, -1, 1, 1)).sum().backward()
-    errors = []
+            return [slots.error(output, expected) / expected.abs().max().item()]
+        (output * loss_weights[:, slots.taken] * slots.mask(output)).sum().backward()
     pairs = [(output, expected), *((shard.grad, full.grad) for shard, full in zip(shards, whole, strict=True))]
-    for actual, reference in pairs:
-        mask = real.view(1, -1, *[1] * (actual.dim() - 2))
-        errors.append(((actual - reference[:, taken]) * mask).abs().max().item())
-    return errors
+    return [slots.error(actual, reference) for actual, reference in pairs]
 
 
-@pytest.mark.parametrize(
-    ("ranks", "boundary", "lengths", "chunk_size", "rows"),
-    [
-        (3, "contiguous", MIXED_DOCUMENTS, 4, 1),
-        (3, "zigzag", MIXED_DOCUMENTS, 4, 1),
-        (2, "zigzag", MIXED_DOCUMENTS, 64, 1),
-        (4, "contiguous", (60,), 3, 1),
-        (2, "zigzag", None, 5, 2),
-        (1, "zigzag", MIXED_DOCUMENTS, 4, 1),
-        (2, "contiguous", (5, 26, 31), 4, 1),
-    ],
-    ids=["cp3-contiguous", "cp3-zigzag", "cp2-zigzag-one-chunk", "cp4-one-document-over-all-shards", "cp2-dense",
-         "cp1-packed", "cp2-a-document-starting-a-shard"],
-)  # fmt: skip
+@SCAN_CASES
 def test_the_rule_matches_each_document_alone(
     ranks: int, boundary: str, lengths: tuple[int, ...] | None, chunk_size: int, rows: int
 ) -> None:
