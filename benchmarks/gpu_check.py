@@ -8,6 +8,8 @@ Sections (``--sections``, comma-separated; default all):
   (``emulated_rank_attention``: the training tiles with every rank's K/V given); judged against SDPA-bf16's own error.
 - ``group``: a real gloo group of 4 processes on the device: layout round trips (``lightning_cp.layout``) compared
   bit for bit, and the public ``zigzag_attention`` over the group (cp=4 and cp=2).
+- ``mixers``: ``cp_causal_conv1d``, ``cp_ssd_scan`` and ``cp_gated_delta_rule`` on the device in float32 and under a
+  bf16 autocast, each row one document and packed documents under a one-process step, against float64 on the CPU.
 - ``perf``: each rank's forward+backward attention time at cp=2/4/8 versus flash-attn (or SDPA) on the whole sequence
   divided by cp, dense and packed.
 - ``train``: the main job ``lightning-cp fit --config gpu`` at cp=1 for a few steps; whether it ran and its losses.
@@ -22,6 +24,7 @@ The exit code is 1 when a judged check failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import json
@@ -52,6 +55,13 @@ import torch.nn.functional as F
 
 import lightning_cp.attention as attention
 import lightning_cp.layout as layout
+from lightning_cp import (
+    ContextParallelRuntime,
+    ContextParallelSetting,
+    cp_causal_conv1d,
+    cp_gated_delta_rule,
+    cp_ssd_scan,
+)
 from lightning_cp.core import comm
 from lightning_cp.core.attention import kernels
 from lightning_cp.core.zigzag import ZigzagGeometry
@@ -60,7 +70,7 @@ from lightning_cp.train.data.datamodule import CACHE_ENV
 from lightning_cp.train.runfolder import METRICS_FILE, RUN_DIR_ENV, loss_series, read_metrics
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu.md"
-SECTIONS = ("attention", "group", "perf", "train")
+SECTIONS = ("attention", "group", "mixers", "perf", "train")
 RMS_RATIO_LIMIT = 2.0
 MAX_RATIO_LIMIT = 4.0
 EFFICIENCY_TARGET = 0.9
@@ -1076,6 +1086,83 @@ def rank_times(
     return times, ""
 
 
+# (a) The sequence mixers.
+
+MIXER_TOLERANCE = {"float32": 1e-4, "bf16 autocast": 2e-2}
+"""Largest error relative to the output's largest value: float32 rounding over a few thousand tokens, and bf16 inputs
+for the convolution under autocast (the scans compute in float32 there too, and are held to float32's limit)."""
+
+
+def mixer_inputs(name: str, tokens: int, heads: int, dim: int) -> tuple[torch.Tensor, ...]:
+    """Seeded float64 CPU inputs of one row of ``tokens`` tokens for the mixer ``name``."""
+    generator = torch.Generator().manual_seed(7)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    def uniform(*shape: int) -> torch.Tensor:
+        return torch.rand(*shape, generator=generator, dtype=torch.float64)
+
+    if name == "cp_causal_conv1d":
+        return normal(1, tokens, heads * dim), normal(heads * dim, 4) / 2, normal(heads * dim)
+    if name == "cp_ssd_scan":
+        return normal(1, tokens, heads, dim), uniform(1, tokens, heads) * 0.1, -uniform(heads) - 0.5, \
+            normal(1, tokens, 1, dim), normal(1, tokens, 1, dim)  # fmt: skip
+    q, k = (F.normalize(normal(1, tokens, heads, dim), dim=-1) for _ in range(2))
+    return q, k, normal(1, tokens, heads, dim), -uniform(1, tokens, heads) * 0.1, uniform(1, tokens, heads)
+
+
+MIXERS: dict[str, Callable[..., torch.Tensor]] = {
+    "cp_causal_conv1d": cp_causal_conv1d,
+    "cp_ssd_scan": functools.partial(cp_ssd_scan, chunk_size=64),
+    "cp_gated_delta_rule": cp_gated_delta_rule,
+}
+
+
+def check_mixers(settings: Settings, report: Report, budget: Budget) -> None:
+    """(a) The sequence mixers on the device against the same functions in float64 on the CPU (whose float64 results
+    the tests check against token-by-token references), each row one document and packed documents under a step."""
+    if budget.left() < 20:
+        report.add("mixers", "section", "SKIP", "time budget spent")
+        return
+    tokens, heads, dim = settings.exact_packed_tokens, settings.exact_heads[0], settings.exact_head_dim
+    lengths = exactness_lengths(tokens, seed=3)
+    packed = {"input_ids": torch.zeros(1, sum(lengths), dtype=torch.long), "cu_seqlens": offsets(lengths, "cpu")}
+    runtime = ContextParallelRuntime(ContextParallelSetting())
+    report.text(
+        "mixers",
+        f"## (a) Sequence mixers on {settings.device} ({sum(lengths)} tokens, {heads} heads x {dim})",
+        "",
+        "Each mixer in float32 and under a bf16 autocast on the device, against itself in float64 on the CPU; "
+        "`packed`: documents under a one-process step (restarting at each). Detail: largest error relative to the "
+        "output's largest value (limit).",
+        "",
+        "| check | result | detail |",
+        "| --- | --- | --- |",
+    )
+    for name, mixer in MIXERS.items():
+        inputs = mixer_inputs(name, sum(lengths), heads, dim)
+        for kind in ("one row", "packed"):
+            for precision in MIXER_TOLERANCE:
+                tolerance = MIXER_TOLERANCE[precision if name == "cp_causal_conv1d" else "float32"]
+                check = f"{name} {kind} {precision}"
+                try:
+                    with runtime.step(dict(packed)) if kind == "packed" else contextlib.nullcontext():
+                        expected = mixer(*inputs)
+                        device_inputs = [tensor.to(settings.device, torch.float32) for tensor in inputs]
+                        autocast = torch.autocast(settings.device, torch.bfloat16, enabled=precision != "float32")
+                        with autocast:
+                            got = mixer(*device_inputs).double().cpu()
+                    error = ((got - expected).abs().max() / expected.abs().max()).item()
+                    status = "PASS" if error <= tolerance else "FAIL"
+                    detail = f"{error:.1e} ({tolerance:.0e})"
+                    report.add("mixers", check, status, detail)
+                except Exception as failure:  # noqa: BLE001 - a kernel missing on the device fails its row
+                    status, detail = "FAIL", report.raised("mixers", check, failure)
+                report.text("mixers", f"| {check} | {status} | {detail} |")
+    report.text("mixers", "")
+
+
 # (c) The main job.
 
 
@@ -1139,10 +1226,11 @@ def run_main_job(command: list[str], timeout: float, data_cache: Path) -> tuple[
 SECTION_FUNCTIONS: dict[str, Callable[[Settings, Report, Budget], None]] = {
     "attention": check_attention,
     "group": check_group,
+    "mixers": check_mixers,
     "perf": measure_performance,
     "train": check_training,
 }
-RUN_ORDER = ("attention", "group", "train", "perf")  # perf last: it adapts to whatever time is left
+RUN_ORDER = ("attention", "group", "mixers", "train", "perf")  # perf last: it adapts to whatever time is left
 
 
 def run_section(name: str, settings: Settings, report: Report, budget: Budget) -> None:

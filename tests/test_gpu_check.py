@@ -10,13 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_cp.core.attention import api, kernels
 from lightning_cp.train.runfolder import RUN_DIR_ENV
 from tests.attention_helpers import fake_varlen
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-EXACTNESS_SECTIONS = ("attention", "group")
+EXACTNESS_SECTIONS = ("attention", "group", "mixers")
 
 
 def _load_script(monkeypatch):
@@ -48,7 +49,8 @@ def test_dry_run_writes_the_report_and_every_exactness_check_passes(tmp_path: Pa
     assert all(check["status"] == "PASS" for check in exactness), [c for c in exactness if c["status"] != "PASS"]
     train = [check for check in checks if check["section"] == "train"]
     assert [check["status"] for check in train] == ["PASS"], train
-    assert {check["section"] for check in checks} == {"attention", "group", "perf", "train"}
+    assert {check["section"] for check in checks} == {"attention", "group", "mixers", "perf", "train"}
+    assert {"cp_ssd_scan packed float32", "cp_gated_delta_rule packed bf16 autocast"} <= names
     assert any(check["name"] == "tile call costs (cpu_flash)" for check in checks), "the fitted tile costs"
     assert result.returncode == 0, report
 
@@ -68,6 +70,27 @@ def test_an_attention_kernel_that_is_slightly_wrong_fails_the_exactness_check(mo
     monkeypatch.setitem(api._KERNELS, "math", kernels.BlockKernel("math", scaled_forward, kernels.math_backward))
     row, status, _ = gpu_check.exactness_row(case, 2, "math")
     assert status == "FAIL", row
+
+
+@pytest.mark.timeout(120)
+def test_a_mixer_that_is_slightly_wrong_on_the_device_fails_its_rows(monkeypatch) -> None:
+    """A gated delta rule off by 0.1% in float32 (as a device kernel might be) fails its float32 rows; the others
+    pass."""
+    gpu_check = _load_script(monkeypatch)
+    exact = gpu_check.MIXERS["cp_gated_delta_rule"]
+
+    def slightly_wrong(*inputs):
+        output = exact(*inputs)
+        return output * 1.001 if inputs[0].dtype == torch.float32 else output
+
+    monkeypatch.setitem(gpu_check.MIXERS, "cp_gated_delta_rule", slightly_wrong)
+    settings = gpu_check.dry_run_settings(60.0)
+    report = gpu_check.Report(settings)
+    gpu_check.check_mixers(settings, report, gpu_check.Budget(60.0))
+    failed = {check.name for check in report.checks if check.status == "FAIL"}
+    assert failed == {f"cp_gated_delta_rule {kind} {precision}" for kind in ("one row", "packed")
+                      for precision in ("float32", "bf16 autocast")}, failed  # fmt: skip
+    assert all(check.status == "PASS" for check in report.checks if check.name not in failed)
 
 
 @pytest.mark.timeout(120)
