@@ -8,8 +8,9 @@ Sections (``--sections``, comma-separated; default all):
   (``emulated_rank_attention``: the training tiles with every rank's K/V given); judged against SDPA-bf16's own error.
 - ``group``: a real gloo group of 4 processes on the device: layout round trips (``lightning_cp.layout``) compared
   bit for bit, and the public ``zigzag_attention`` over the group (cp=4 and cp=2).
-- ``mixers``: ``cp_causal_conv1d``, ``cp_ssd_scan`` and ``cp_gated_delta_rule`` on the device in float32 and under a
-  bf16 autocast, each row one document and packed documents under a one-process step, against float64 on the CPU.
+- ``mixers``: ``cp_causal_conv1d``, ``cp_ssd_scan`` and ``cp_gated_delta_rule`` (forward and backward) on the device
+  in float32 and under a bf16 autocast, each row one document and packed documents under a one-process step, against
+  float64 on the CPU.
 - ``perf``: each rank's forward+backward attention time at cp=2/4/8 versus flash-attn (or SDPA) on the whole sequence
   divided by cp, dense and packed.
 - ``train``: the main job ``lightning-cp fit --config gpu`` at cp=1 for a few steps; whether it ran and its losses.
@@ -1133,9 +1134,9 @@ def check_mixers(settings: Settings, report: Report, budget: Budget) -> None:
         "mixers",
         f"## (a) Sequence mixers on {settings.device} ({sum(lengths)} tokens, {heads} heads x {dim})",
         "",
-        "Each mixer in float32 and under a bf16 autocast on the device, against itself in float64 on the CPU; "
-        "`packed`: documents under a one-process step (restarting at each). Detail: largest error relative to the "
-        "output's largest value (limit).",
+        "Each mixer, forward and backward, in float32 and under a bf16 autocast on the device, against itself in "
+        "float64 on the CPU; `packed`: documents under a one-process step (restarting at each). Detail: largest error "
+        "of the output and of its first input's gradient, relative to the largest value (limit).",
         "",
         "| check | result | detail |",
         "| --- | --- | --- |",
@@ -1148,14 +1149,23 @@ def check_mixers(settings: Settings, report: Report, budget: Budget) -> None:
                 check = f"{name} {kind} {precision}"
                 try:
                     with runtime.step(dict(packed)) if kind == "packed" else contextlib.nullcontext():
-                        expected = mixer(*inputs)
-                        device_inputs = [tensor.to(settings.device, torch.float32) for tensor in inputs]
+                        reference = [tensor.clone().requires_grad_() for tensor in inputs]
+                        expected = mixer(*reference)
+                        weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1)).double()
+                        (expected * weights).sum().backward()
+                        device_inputs = [
+                            tensor.to(settings.device, torch.float32).requires_grad_() for tensor in inputs
+                        ]
                         autocast = torch.autocast(settings.device, torch.bfloat16, enabled=precision != "float32")
                         with autocast:
-                            got = mixer(*device_inputs).double().cpu()
-                    error = ((got - expected).abs().max() / expected.abs().max()).item()
-                    status = "PASS" if error <= tolerance else "FAIL"
-                    detail = f"{error:.1e} ({tolerance:.0e})"
+                            got = mixer(*device_inputs)
+                        (got * weights.to(got.device)).sum().backward()
+                    errors = [
+                        ((actual.double().cpu() - wanted).abs().max() / wanted.abs().max()).item()
+                        for actual, wanted in ((got, expected), (device_inputs[0].grad, reference[0].grad))
+                    ]
+                    status = "PASS" if max(errors) <= tolerance else "FAIL"
+                    detail = f"out {errors[0]:.1e}, first input's gradient {errors[1]:.1e} ({tolerance:.0e})"
                     report.add("mixers", check, status, detail)
                 except Exception as failure:  # noqa: BLE001 - a kernel missing on the device fails its row
                     status, detail = "FAIL", report.raised("mixers", check, failure)

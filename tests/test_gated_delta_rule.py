@@ -47,6 +47,12 @@ def _random_inputs(rows: int, total: int, generator: torch.Generator) -> tuple[t
     return q, k, normal(rows, total, HEADS, VALUE_DIM), -uniform(rows, total, HEADS), uniform(rows, total, HEADS)
 
 
+def _by_hand(tensor: torch.Tensor) -> torch.Tensor:
+    """One key head repeated for every value head and L2-normalised as documented: ``x / sqrt(|x|^2 + 1e-6)``."""
+    tensor = tensor.repeat_interleave(HEADS // tensor.shape[2], dim=2)
+    return tensor / torch.sqrt((tensor * tensor).sum(-1, keepdim=True) + 1e-6)
+
+
 def _rule_error(
     boundary: str,
     lengths: tuple[int, ...] | None,
@@ -56,22 +62,30 @@ def _rule_error(
     ulysses: int = 1,
     drop_last: bool = False,
     mixed: bool = False,
+    grouped: bool = False,
 ) -> list[float]:
     """This rank's largest differences to one process: outputs and the gradients of every input, for the batch
     ``step_over_the_world`` makes of the arguments; ``mixed``: q, k, v in bf16 and the gates in float32, as under
-    autocast (the reference: the same rounded values in float64), and only the output's relative error."""
+    autocast (the reference: the same rounded values in float64), and only the output's relative error;
+    ``grouped``: one raw key head for all value heads, L2-normalised and q scaled by 0.7 inside (the reference: by
+    hand)."""
     total = batch_length(lengths)
     generator = torch.Generator().manual_seed(5)
     inputs = _random_inputs(rows, total, generator)
+    if grouped:
+        raw = (torch.randn(rows, total, 1, KEY_DIM, generator=generator, dtype=torch.float64) for _ in range(2))
+        inputs = (*raw, *inputs[2:])
     if mixed:
         inputs = tuple(tensor.to(torch.bfloat16 if i < 3 else torch.float32) for i, tensor in enumerate(inputs))
     loss_weights = torch.randn(rows, total, HEADS, VALUE_DIM, generator=generator, dtype=torch.float64)
     whole = [tensor.double().clone().requires_grad_() for tensor in inputs]
-    expected = _per_document(tuple(whole), lengths or (total,))
+    prepared = (_by_hand(whole[0]) * 0.7, _by_hand(whole[1]), *whole[2:]) if grouped else tuple(whole)
+    expected = _per_document(prepared, lengths or (total,))
     (expected * loss_weights).sum().backward()
+    options = {"scale": 0.7, "l2_normalize_qk": True} if grouped else {"scale": 1.0}
     with step_over_the_world(boundary, lengths, rows, tensor_parallel, ulysses, drop_last) as slots:
         shards = [slots.shard(tensor) for tensor in inputs]
-        output = cp_gated_delta_rule(*shards, scale=1.0, chunk_size=chunk_size)
+        output = cp_gated_delta_rule(*shards, **options, chunk_size=chunk_size)
         if mixed:
             return [slots.error(output, expected) / expected.abs().max().item()]
         (output * loss_weights[:, slots.taken] * slots.mask(output)).sum().backward()
@@ -83,10 +97,8 @@ def _rule_error(
 def test_the_rule_matches_each_document_alone(
     ranks: int, boundary: str, lengths: tuple[int, ...] | None, chunk_size: int, rows: int
 ) -> None:
-    """Documents of 1 to 30 tokens in contiguous shards or zigzag ones (converted and back), one document over four
-    shards (its state passes through three transitions), chunks shorter and longer than the shards, two dense rows,
-    packed documents on one rank: outputs and the gradients of q, k, v, g and beta equal each document run alone,
-    token by token (float64, 1e-12)."""
+    """The batches of ``SCAN_CASES`` (one document's state passing through three transitions at cp 4): outputs and the
+    gradients of q, k, v, g and beta equal each document run alone, token by token (float64, 1e-12)."""
     for errors in run_on_ranks(_rule_error, ranks, boundary, lengths, chunk_size, rows):
         assert max(errors) <= 1e-12, errors
 
@@ -102,6 +114,14 @@ def test_the_rule_on_shards_split_further(
     """Shards split over TP ranks (sequence parallelism) or the Ulysses ranks of ``hybrid``: the state passes through
     the loss group's ranks in order (float64, 1e-12)."""
     for errors in run_on_ranks(_rule_error, ranks, boundary, lengths, 4, rows, tensor_parallel, ulysses):
+        assert max(errors) <= 1e-12, errors
+
+
+def test_grouped_normalised_keys_under_a_step() -> None:
+    """One raw key head for three value heads, normalised and scaled inside, zigzag at cp 3: outputs and the
+    gradients of the raw q and k (through the head repeat and the normalisation) and of v, g, beta equal the same
+    preparation by hand on one process (float64, 1e-12)."""
+    for errors in run_on_ranks(_rule_error, 3, "zigzag", MIXED_DOCUMENTS, 4, grouped=True):
         assert max(errors) <= 1e-12, errors
 
 
@@ -145,15 +165,10 @@ def test_grouped_keys_normalisation_and_scale_are_applied_as_documented() -> Non
     generator = torch.Generator().manual_seed(8)
     _, _, v, g, beta = _random_inputs(2, 9, generator)
     q, k = (torch.randn(2, 9, 1, KEY_DIM, generator=generator, dtype=torch.float64) for _ in range(2))
-
-    def by_hand(tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.repeat_interleave(HEADS, dim=2)
-        return tensor / torch.sqrt((tensor * tensor).sum(-1, keepdim=True) + 1e-6)
-
-    expected = _per_document((by_hand(q) * 0.7, by_hand(k), v, g, beta), (9,))
+    expected = _per_document((_by_hand(q) * 0.7, _by_hand(k), v, g, beta), (9,))
     got = cp_gated_delta_rule(q, k, v, g, beta, scale=0.7, l2_normalize_qk=True, chunk_size=4)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
-    q, k = by_hand(q), by_hand(k)
+    q, k = _by_hand(q), _by_hand(k)
     default = _per_document((q * KEY_DIM**-0.5, k, v, g, beta), (9,))
     torch.testing.assert_close(cp_gated_delta_rule(q, k, v, g, beta, chunk_size=4), default, rtol=0, atol=1e-12)
 

@@ -93,10 +93,8 @@ def _scan_error(
 def test_the_scan_matches_each_document_alone(
     ranks: int, boundary: str, lengths: tuple[int, ...] | None, chunk_size: int, rows: int
 ) -> None:
-    """Documents of 1 to 30 tokens in contiguous shards (the scan's own layout) or zigzag ones (converted and back),
-    one document over four shards, chunks shorter and longer than the shards, two dense rows, packed documents on one
-    rank: outputs and the gradients of every input equal each document scanned alone, token by token (float64,
-    1e-12)."""
+    """The batches of ``SCAN_CASES``: outputs and the gradients of every input equal each document scanned alone,
+    token by token (float64, 1e-12)."""
     for errors in run_on_ranks(_scan_error, ranks, boundary, lengths, chunk_size, rows):
         assert max(errors) <= 1e-12, errors
 
