@@ -135,15 +135,10 @@ def cp_gather_sequence(tensor: torch.Tensor) -> torch.Tensor:
 def _contiguous_shard_group(name: str) -> ProcessGroup | None:
     """The group whose ranks hold the batch's contiguous shards in sequence order (CP ranks, or TP x CP ones under
     sequence parallelism), for ``name`` called in a block on contiguous shards; None on one shard or without a step."""
-    step = active_step()
-    group = None if step is None else step.loss_group
-    if group is None or comm.group_size(group) == 1:
-        return None
-    step.require_stream_at_boundary(f"{name} outside the wrapped layers")
-    if step.current_layout != CPLayout.CONTIGUOUS:
+    _, group, layout = _recurrence_shards(name)
+    if group is not None and layout is not CPLayout.CONTIGUOUS:
         raise ValueError(
-            f"{name} needs the contiguous layout, but this block runs in {step.current_layout.value}: "
-            "name it in contiguous_layers"
+            f"{name} needs the contiguous layout, but this block runs in {layout.value}: name it in contiguous_layers"
         )
     return group
 
@@ -327,8 +322,9 @@ def cp_gated_delta_rule(
 
 
 def _recurrence_shards(name: str) -> tuple[ContextParallelStep | None, ProcessGroup | None, CPLayout]:
-    """For a recurrence called ``name``: the active step, the group whose ranks hold the batch's contiguous shards
-    in rank order (None: one shard, or no step) and the layout the block runs in (contiguous without CP)."""
+    """For a function called ``name`` that passes state along contiguous shards: the active step, the group whose
+    ranks hold the batch's contiguous shards in rank order (None: one shard, or no step) and the layout the block runs
+    in (contiguous without CP, where the two layouts are one)."""
     step = active_step()
     if step is None:
         return None, None, CPLayout.CONTIGUOUS

@@ -150,7 +150,9 @@ depthwise causal convolution of ``B * x``, ``C`` times that, an output projectio
 class _ShortConvolutionUnderCP:
     """The forward of a short-convolution mixer: under a step, its convolution per document across the shards
     (``cp_causal_conv1d``); outside one, the model's own (generation, its cache and masks), or the forward the
-    instance had before (a hook's, such as accelerate's device placement)."""
+    instance had before (a hook's, such as accelerate's device placement). An instance forward rather than a routed
+    module function (``_RoutedUnderCP``): LFM2's mixers call ``causal_conv1d_forward`` only in recent transformers
+    releases (5.0's run their own ``slow_forward``), and this works with every 5.x release."""
 
     def __init__(self, mixer: torch.nn.Module, instance_forward: Callable[..., Any] | None) -> None:
         self.mixer = mixer
