@@ -1,9 +1,9 @@
 """Context parallelism for PyTorch Lightning; importing it registers ``strategy="cp_zigzag"``.
 
 The public API: ``cp_attention``, ``cp_cross_entropy``, ``cp_gather_sequence``, ``cp_causal_conv1d``,
-``cp_ssd_scan``, ``cp_gated_delta_rule``, ``cp_previous_tokens`` and ``cp_previous_state`` for model code, the
-strategy and its callback for Lightning, ``ContextParallelRuntime`` for any other training loop, ``PackedSeqParams``
-for packed metadata.
+``cp_ssd_scan``, ``cp_selective_scan``, ``cp_gated_delta_rule``, ``cp_previous_tokens`` and ``cp_previous_state`` for
+model code, the strategy and its callback for Lightning, ``ContextParallelRuntime`` for any other training loop,
+``PackedSeqParams`` for packed metadata.
 """
 
 from lightning_cp.core.functional import (
@@ -13,6 +13,7 @@ from lightning_cp.core.functional import (
     cp_gather_sequence,
     cp_previous_state,
     cp_previous_tokens,
+    cp_selective_scan,
     cp_ssd_scan,
 )
 from lightning_cp.core.loss import CPLoss, cp_chunked_cross_entropy, cp_cross_entropy
@@ -38,5 +39,6 @@ __all__ = [
     "cp_gather_sequence",
     "cp_previous_state",
     "cp_previous_tokens",
+    "cp_selective_scan",
     "cp_ssd_scan",
 ]

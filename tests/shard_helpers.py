@@ -60,6 +60,12 @@ class RankSlots:
         return ((actual - whole[:, self.taken]) * self.mask(actual)).abs().max().item()
 
 
+def document_runs(starts: torch.Tensor) -> list[tuple[int, int]]:
+    """The token ranges between document starts ``[s]`` (the first from token 0, starting there or not)."""
+    cuts = [0, *[int(i) for i in torch.nonzero(starts).flatten() if i > 0], starts.numel()]
+    return list(zip(cuts, cuts[1:], strict=False))
+
+
 def batch_length(lengths: tuple[int, ...] | None) -> int:
     """Tokens per row: the documents' total, or a dense row's."""
     return DENSE_LENGTH if lengths is None else sum(lengths)

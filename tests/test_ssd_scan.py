@@ -12,7 +12,7 @@ from lightning_cp.core.scan import ssd_scan
 from lightning_cp.core.windows import shard_document_starts
 from lightning_cp.core.zigzag import stream_tokens
 from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
-from tests.shard_helpers import MIXED_DOCUMENTS, SCAN_CASES, batch_length, step_over_the_world
+from tests.shard_helpers import MIXED_DOCUMENTS, SCAN_CASES, batch_length, document_runs, step_over_the_world
 
 HEADS, HEAD_DIM, GROUPS, STATE = 4, 3, 2, 5
 
@@ -166,7 +166,7 @@ def test_the_chunked_scan_restarts_at_document_starts_and_composes_with_an_enter
         y, last, entry_decay = ssd_scan(x, dt, A, B, C, starts, chunk_size)
         for state, scanned, final in ((torch.zeros_like(entering), y, last), (entering, None, None)):
             expected, expected_last, outputs = [], state, []
-            for begin, end in _runs(starts):
+            for begin, end in document_runs(starts):
                 kept = begin == 0 and not starts[0]  # the entering state reaches the first run if no start ends it
                 dropped = expected_last if kept else torch.zeros_like(state)
                 part, expected_last = _stepwise_scan(
@@ -205,12 +205,6 @@ def test_under_autocast_the_scan_computes_in_float32() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = cp_ssd_scan(*inputs, chunk_size=8)
     assert got.dtype == torch.float32 and torch.equal(got, expected)
-
-
-def _runs(starts: torch.Tensor) -> list[tuple[int, int]]:
-    """The token ranges between document starts (the first from token 0, starting there or not)."""
-    cuts = [0, *[int(i) for i in torch.nonzero(starts).flatten() if i > 0], starts.numel()]
-    return list(zip(cuts, cuts[1:], strict=False))
 
 
 def test_document_starts_of_a_shard() -> None:

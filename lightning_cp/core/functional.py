@@ -1,8 +1,8 @@
 """What model code calls: ``cp_attention``, exact attention under the active step (or on one device without one);
 ``cp_gather_sequence``, a per-token output of the whole replica batch on every rank; ``cp_causal_conv1d``, a short
-causal convolution per document in any layout; ``cp_ssd_scan`` and ``cp_gated_delta_rule``, Mamba2's selective scan
-and the gated delta rule per document in any layout; ``cp_previous_tokens`` and ``cp_previous_state``, what a
-convolution or a recurrence on contiguous shards needs from the shards before."""
+causal convolution per document in any layout; ``cp_ssd_scan``, ``cp_selective_scan`` and ``cp_gated_delta_rule``,
+Mamba2's and Mamba's selective scans and the gated delta rule per document in any layout; ``cp_previous_tokens`` and
+``cp_previous_state``, what a convolution or a recurrence on contiguous shards needs from the shards before."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from lightning_cp.core.attention.api import (
     check_attention_shapes,
 )
 from lightning_cp.core.packed import host_offsets
-from lightning_cp.core.scan import gated_delta_scan, ssd_scan
+from lightning_cp.core.scan import gated_delta_scan, selective_scan, ssd_scan
 from lightning_cp.core.step import ContextParallelStep, active_step
 from lightning_cp.core.zigzag import CPLayout, contiguous_padding_multiple
 
@@ -255,6 +255,46 @@ def cp_ssd_scan(
         if group is not None:
             entering = _state_entering_shard(final_state, entry_decay[:, -1, :, None, None], group)
             y = y + torch.einsum("bshn,bhpn->bshp", C, entering) * entry_decay.unsqueeze(-1)
+    return step.convert(y, CPLayout.CONTIGUOUS, layout) if layout is not CPLayout.CONTIGUOUS else y
+
+
+@comm.eager_under_compile
+def cp_selective_scan(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, *, chunk_size: int = 64
+) -> torch.Tensor:
+    """Mamba's selective scan (Mamba1, Jamba, Falcon Mamba) per document: ``h_t = exp(dt_t A) * h_{t-1} + (dt_t x_t)
+    B_t^T`` with a decay per channel and state entry, ``y_t = h_t C_t``, from a zero state at each document's start,
+    as one device scans that document alone.
+
+    ``x`` ``[b, S_local, channels]``, ``dt`` ``[b, S_local, channels]`` (step sizes after bias and softplus), ``A``
+    ``[channels, state]`` (negative), ``B`` and ``C`` ``[b, S_local, state]``; returns ``y`` ``[b, S_local, channels]``
+    without the ``D`` skip, computed (also under autocast) and returned in the widest of the inputs' dtypes and
+    float32. Under an active step each rank scans its contiguous shard (``chunk_size`` tokens one after another, all
+    chunks at once, then chunk after chunk), then adds the state entering it from the shards before (one all-gather of
+    one state per rank); in a block that runs in another layout the inputs are converted to contiguous shards and the
+    output back. Without a step each row is one document."""
+    rows, length, channels = x.shape if x.dim() == 3 else (0, 0, 0)
+    if (
+        x.dim() != 3 or dt.shape != x.shape or A.dim() != 2 or A.shape[0] != channels or B.shape != C.shape
+        or tuple(B.shape) != (rows, length, A.shape[1]) or chunk_size < 1
+    ):  # fmt: skip
+        raise ValueError(
+            f"cp_selective_scan: x {tuple(x.shape)}, dt {tuple(dt.shape)}, A {tuple(A.shape)}, B {tuple(B.shape)}, "
+            f"C {tuple(C.shape)}, chunk_size={chunk_size}; expected x and dt [b, S, channels], A [channels, state], "
+            "B and C [b, S, state], chunk_size >= 1"
+        )
+    dtype = functools.reduce(torch.promote_types, (x.dtype, dt.dtype, B.dtype, C.dtype), torch.float32)
+    step, group, layout = _recurrence_shards("cp_selective_scan")
+    if layout is not CPLayout.CONTIGUOUS:  # x, B, C in one conversion, dt in its own dtype in another
+        x, B, C = _to_contiguous(step, layout, (x, B, C))
+        (dt,) = _to_contiguous(step, layout, (dt,))
+    starts = _document_starts(x.shape[1], x.device)
+    with torch.autocast(x.device.type, enabled=False):  # products and sums in ``dtype``, whatever autocast's is
+        x, dt, A, B, C = (tensor.to(dtype) for tensor in (x, dt, A, B, C))
+        y, final_state, entry_decay = selective_scan(x, dt, A, B, C, starts, chunk_size)
+        if group is not None:
+            entering = _state_entering_shard(final_state, entry_decay[:, -1], group)
+            y = y + torch.einsum("bsdn,bdn,bsn->bsd", entry_decay, entering, C)
     return step.convert(y, CPLayout.CONTIGUOUS, layout) if layout is not CPLayout.CONTIGUOUS else y
 
 
