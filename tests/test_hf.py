@@ -19,7 +19,14 @@ from torch.utils.data import DataLoader
 from lightning_cp import ContextParallelLayoutCallback, CPZigzagStrategy
 from lightning_cp.core.step import ContextParallelStep, activated
 from lightning_cp.hf import HFCausalLM
-from lightning_cp.lightning.hf import _DELTA_RULE_ROUTES, _MAMBA2_ROUTES, _no_mask, _RoutedUnderCP, _row_order_problems
+from lightning_cp.lightning.hf import (
+    _DELTA_RULE_ROUTES,
+    _MAMBA2_ROUTES,
+    _ROUTED_MIXERS,
+    _no_mask,
+    _RoutedUnderCP,
+    _row_order_problems,
+)
 from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
 from tests.model_helpers import ATTENTION, POLICY, TRAINER_OPTIONS, TinyTransformer, packed_batches
 
@@ -40,6 +47,9 @@ SMALL = {
 }
 MAMBA2 = {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 2, "mamba_d_state": 8, "mamba_d_conv": 4,
           "mamba_chunk_size": 4, "mamba_expand": 2}  # fmt: skip
+MAMBA = {"mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 4}
+MAMBA_ONLY = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "state_size": 8, "conv_kernel": 4,
+              "expand": 2, "time_step_rank": 4}  # fmt: skip
 GATED_DELTA_NET = {"linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 8,
                    "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4}  # fmt: skip
 FAMILIES = {
@@ -73,6 +83,16 @@ FAMILIES = {
         **{**SMALL, "intermediate_size": None}, layers_block_type=["linear_attention", "hybrid"], n_mamba_heads=4,
         mamba_ngroups=2, mamba_d_state=8, mamba_d_conv=4, chunk_size=4, mamba_expand=2, pad_token_id=0,
     ),
+    "jamba": lambda: transformers.JambaConfig(
+        **SMALL, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+        num_experts=2, num_experts_per_tok=1, **MAMBA, experts_implementation="eager",
+    ),
+    "mamba": lambda: transformers.MambaConfig(**MAMBA_ONLY),
+    "falcon_mamba": lambda: transformers.FalconMambaConfig(**MAMBA_ONLY),
+    "mamba2": lambda: transformers.Mamba2Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, n_groups=2, state_size=8,
+        conv_kernel=4, chunk_size=4, expand=2,
+    ),
     "qwen3_5": lambda: transformers.Qwen3_5TextConfig(
         **SMALL, layer_types=["linear_attention", "full_attention"], head_dim=8, **GATED_DELTA_NET
     ),
@@ -91,6 +111,8 @@ FAMILIES = {
         bos_token_id=1, eos_token_id=2,
     ),
 }  # fmt: skip
+ATTENTION_FREE = frozenset({"mamba", "falcon_mamba", "mamba2"})
+"""Families without attention layers, which take no attention implementation."""
 TOLERANCES = dict.fromkeys(
     (
         "bamba",
@@ -98,6 +120,10 @@ TOLERANCES = dict.fromkeys(
         "falcon_h1",
         "nemotron_h",
         "zamba2",
+        "jamba",
+        "mamba",
+        "falcon_mamba",
+        "mamba2",
         "qwen3_5",
         "qwen3_5_moe",
         "qwen3_next",
@@ -105,10 +131,10 @@ TOLERANCES = dict.fromkeys(
     ),
     1e-6,
 )
-"""Relative tolerances where the unmodified model is not float64 throughout: Hugging Face's Mamba2 scan and gated
-delta rule compute in float32 even in a float64 model (Nemotron-H also makes its logits in float32); the library's
-compute in the inputs' float64 and are checked against token-by-token runs to 1e-12 in ``test_ssd_scan.py`` and
-``test_gated_delta_rule.py``."""
+"""Relative tolerances where the unmodified model is not float64 throughout: Hugging Face's Mamba and Mamba2 scans and
+gated delta rule compute in float32 even in a float64 model (Nemotron-H also makes its logits in float32); the
+library's compute in the inputs' float64 and are checked against token-by-token runs to 1e-12 in
+``test_selective_scan.py``, ``test_ssd_scan.py`` and ``test_gated_delta_rule.py``."""
 
 
 def tiny_model(family: str, attention: str = "sdpa", lora: bool = False) -> transformers.PreTrainedModel:
@@ -116,11 +142,13 @@ def tiny_model(family: str, attention: str = "sdpa", lora: bool = False) -> tran
     with LoRA adapters on q and v (only they train)."""
     torch.manual_seed(0)
     config = FAMILIES[family]()
-    config._attn_implementation = attention
+    if family not in ATTENTION_FREE:
+        config._attn_implementation = attention
     model = transformers.AutoModelForCausalLM.from_config(config).double()
-    for module in model.modules():  # Mamba2, Gated DeltaNet: decays near 1, so states carry over documents and shards
-        if hasattr(module, "A_log") and hasattr(module, "dt_bias"):
+    for module in model.modules():  # Mamba, Mamba2, Gated DeltaNet: decays near 1, so states carry over documents
+        if hasattr(module, "A_log"):  # and shards
             module.A_log.data.uniform_(-4.0, -2.0)
+        if hasattr(module, "dt_bias"):
             module.dt_bias.data.fill_(-1.0)
     if lora:
         adapters = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
@@ -128,7 +156,8 @@ def tiny_model(family: str, attention: str = "sdpa", lora: bool = False) -> tran
     return model
 
 
-ROUTES = {"bamba": _MAMBA2_ROUTES, "qwen3_5": _DELTA_RULE_ROUTES}
+ROUTES = {"bamba": _MAMBA2_ROUTES, "qwen3_5": _DELTA_RULE_ROUTES, "jamba": _ROUTED_MIXERS["JambaMambaMixer"],
+          "mamba": _ROUTED_MIXERS["MambaMixer"]}  # fmt: skip
 
 
 class SGDCausalLM(HFCausalLM):
@@ -283,6 +312,11 @@ RUNS = [
     ("nemotron_h", "packed", 2, {"attention_mode": "ring"}, False),
     ("zamba2", "packed", 2, {"boundary_layout": "zigzag"}, False),
     ("bamba", "packed", 1, {}, False),
+    ("jamba", "packed", 2, {}, False),
+    ("jamba", "dense", 4, {"attention_mode": "ring"}, True),
+    ("mamba", "packed", 2, {}, False),
+    ("falcon_mamba", "flattening", 2, {"data_parallel": "fsdp"}, False),
+    ("mamba2", "packed", 2, {"boundary_layout": "zigzag"}, False),
     ("qwen3_5", "packed", 2, {}, False),
     ("qwen3_5", "dense", 4, {"attention_mode": "ring"}, True),
     ("qwen3_next", "flattening", 2, {"data_parallel": "fsdp"}, False),
@@ -397,13 +431,16 @@ def _fit_bf16_mixed(world: int, family: str) -> list[float]:
     return recorder.losses
 
 
-@pytest.mark.parametrize(("family", "tolerance"), [("llama", 2e-3), ("lfm2", 2e-3), ("bamba", 5e-4), ("qwen3_5", 1e-4)])
+@pytest.mark.parametrize(
+    ("family", "tolerance"), [("llama", 2e-3), ("lfm2", 2e-3), ("bamba", 5e-4), ("jamba", 1e-4), ("qwen3_5", 1e-4)]
+)
 def test_bf16_mixed_fine_tuning_under_cp_matches_one_device_within_bf16_rounding(family, tolerance):
     """Under autocast a Hugging Face layer hands the attention float32 q, k (rotated by float32 cos/sin) and a bf16
     v: ``cp_attention`` casts them to the autocast's dtype as SDPA does, and cp=2 trains like the float64 reference
     (relative 2e-3); LFM2's convolutions run in bf16 under autocast too. Bamba's scan and Qwen3.5's gated delta rule
     compute in float32 from bf16 projections (relative 5e-4 and 1e-4: a state leaking across documents or shards
-    costs 2e-3 and 3e-4 in their first loss)."""
+    costs 2e-3 and 3e-4 in their first loss); so does Jamba's Mamba scan (relative 1e-4; 3e-5 measured, its one Mamba
+    layer's leak hides in bf16 rounding, so only the float64 runs check the documents there)."""
     expected, _ = reference_losses(family, make_batches("packed")[1])
     for losses in run_on_ranks(_fit_bf16_mixed, 2, 2, family, init_process_group=False):
         assert len(losses) == STEPS
@@ -490,12 +527,13 @@ def test_what_cannot_be_exact_is_refused():
         HFCausalLM(tiny_model("llama"))._loss(several)
 
 
-def _jamba() -> transformers.PretrainedConfig:
-    """A hybrid of Mamba1 (a selective scan the library has no CP form of) and attention layers."""
-    return transformers.JambaConfig(
-        **SMALL, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
-        num_experts=2, num_experts_per_tok=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
-        experts_implementation="eager",
+def _kimi_linear() -> transformers.PretrainedConfig:
+    """A hybrid of Kimi delta attention (linear attention the library has no CP form of) and attention layers."""
+    return transformers.KimiLinearConfig(
+        **{**SMALL, "num_key_value_heads": 4}, moe_intermediate_size=16, kv_lora_rank=8, qk_rope_head_dim=4,
+        v_head_dim=8, qk_nope_head_dim=4, num_experts_per_tok=1, num_local_experts=2,
+        layer_types=["linear_attention", "full_attention"], linear_head_dim=8, linear_num_heads=4, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, experts_implementation="eager",
     )  # fmt: skip
 
 
@@ -544,8 +582,8 @@ INEXACT = {  # a model feature the "lightning_cp" attention cannot reproduce on 
         ),
         r"rope_type=dynamic\) .* past 4 tokens",
     ),
-    "jamba mamba1 layers": (
-        lambda: _jamba(),
+    "kimi linear delta attention": (
+        lambda: _kimi_linear(),
         "layers of type linear_attention from its row's own token order, which a packed batch breaks",
     ),
 }  # fmt: skip
@@ -581,7 +619,7 @@ def _hybrid_model_at_cp2() -> None:
     os.environ["WORLD_SIZE"] = "2"
     batches, _ = make_batches("dense", 1)
     torch.manual_seed(0)
-    module = SGDCausalLM(transformers.AutoModelForCausalLM.from_config(_jamba()).double())
+    module = SGDCausalLM(transformers.AutoModelForCausalLM.from_config(_kimi_linear()).double())
     trainer = pl.Trainer(devices=2, strategy=CPZigzagStrategy(), max_steps=1, use_distributed_sampler=False,
                          **TRAINER_OPTIONS)  # fmt: skip
     trainer.fit(module, DataLoader(batches, batch_size=None))
@@ -598,7 +636,7 @@ def test_what_hybrid_and_alibi_models_can_do_is_kept_and_the_rest_refused():
     """A hybrid model still trains one document per row at cp=1 (as the unmodified model does); ALiBi is refused at
     construction, and a soft-capped or scaled head with a chunked loss by its config, however small the logits."""
     torch.manual_seed(0)
-    hybrid = transformers.AutoModelForCausalLM.from_config(_jamba()).double()
+    hybrid = transformers.AutoModelForCausalLM.from_config(_kimi_linear()).double()
     document = make_batches("packed", 1)[1][0][0]
     reference = F.cross_entropy(hybrid(torch.tensor([document])).logits[0, :-1], torch.tensor(document[1:]))
     loss, _ = HFCausalLM(hybrid)._loss({"input_ids": torch.tensor([document])})
@@ -679,9 +717,10 @@ def test_outside_a_step_the_model_computes_what_hugging_face_sdpa_computes(famil
         assert torch.allclose(wrapped(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits)
 
 
-@pytest.mark.parametrize("family", ["bamba", "qwen3_5"])
+@pytest.mark.parametrize("family", list(ROUTES))
 def test_outside_a_step_a_routed_model_computes_with_its_own_functions(family, monkeypatch):
-    """The routed convolution and scan (Bamba) or delta rule (Qwen3.5) are the modeling module's own outside a step:
+    """The routed convolution and scan (Bamba, Jamba, Mamba) or delta rule (Qwen3.5) are the modeling module's own
+    outside a step:
     cached generation and a forward of the wrapped model equal those with the module's functions put back (bit for
     bit). Under a step a cache is refused, naming the fix."""
     wrapped = HFCausalLM(tiny_model(family)).model.eval()

@@ -23,7 +23,13 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from typing_extensions import override
 
 from lightning_cp.core import comm
-from lightning_cp.core.functional import cp_attention, cp_causal_conv1d, cp_gated_delta_rule, cp_ssd_scan
+from lightning_cp.core.functional import (
+    cp_attention,
+    cp_causal_conv1d,
+    cp_gated_delta_rule,
+    cp_selective_scan,
+    cp_ssd_scan,
+)
 from lightning_cp.core.loss import CPLoss, cp_chunked_cross_entropy
 from lightning_cp.core.step import activated, active_step
 from lightning_cp.lightning.module import CausalLMModule
@@ -196,8 +202,9 @@ class _RoutedUnderCP:
         return self.original(*args, **kwargs) if active_step() is None else self.under_step(*args, **kwargs)
 
 
-def _no_fused_mamba2(*args: Any, **kwargs: Any) -> None:
-    """Mamba2's fused convolution-and-scan kernel under a step: none, so the mixer calls the two one by one."""
+def _no_fused_kernel(*args: Any, **kwargs: Any) -> None:
+    """A Mamba or Mamba2 mixer's fused convolution-and-scan kernel under a step: none, so the mixer calls the two one
+    by one."""
     return None
 
 
@@ -238,6 +245,27 @@ def _mamba2_scan(
     return (y + module.D[:, None] * x.to(y.dtype)).reshape(rows, length, -1)
 
 
+def _mamba_scan(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    time_step: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    gate: torch.Tensor,
+    cache: Any,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """A Mamba mixer's selective scan under a step (Mamba, Falcon Mamba, Jamba): its step sizes and decays as Hugging
+    Face's reference scan makes them, ``cp_selective_scan``, the ``D`` skip and the gate; ``[b, channels, S_local]``
+    in at least float32."""
+    _refuse_cache(cache)
+    bias = module.dt_proj.bias
+    time_step = time_step if bias is None else time_step + bias.to(time_step.dtype)[:, None]
+    x, dt, gate = (tensor.transpose(1, 2) for tensor in (hidden_states, F.softplus(time_step), gate))
+    y = cp_selective_scan(x, dt, -torch.exp(module.A_log.float()), B, C)
+    return ((y + module.D * x.to(y.dtype)) * F.silu(gate.to(y.dtype))).transpose(1, 2)
+
+
 def _gated_delta_rule(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -268,16 +296,26 @@ def _refuse_cache(*states: Any) -> None:
 
 
 _MAMBA2_ROUTES = {
-    "mamba2_split_conv1d_scan_combined": _no_fused_mamba2,
+    "mamba2_split_conv1d_scan_combined": _no_fused_kernel,
     "causal_conv1d_forward": _causal_convolution,
     "mamba2_scan_forward": _mamba2_scan,
 }
+_MAMBA_ROUTES = {"causal_conv1d_forward": _causal_convolution, "mamba_scan_forward": _mamba_scan}
 _DELTA_RULE_ROUTES = {"causal_conv1d_forward": _causal_convolution, "torch_chunk_gated_delta_rule": _gated_delta_rule}
 _ROUTED_MIXERS = {
     **dict.fromkeys(
-        ("BambaMixer", "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer", "FalconH1Mixer", "Zamba2MambaMixer"),
+        (
+            "Mamba2Mixer",
+            "BambaMixer",
+            "GraniteMoeHybridMambaLayer",
+            "NemotronHMamba2Mixer",
+            "FalconH1Mixer",
+            "Zamba2MambaMixer",
+        ),
         _MAMBA2_ROUTES,
     ),
+    "MambaMixer": {"mamba_inner_fn": _no_fused_kernel, **_MAMBA_ROUTES},
+    **dict.fromkeys(("FalconMambaMixer", "JambaMambaMixer"), _MAMBA_ROUTES),
     **dict.fromkeys(
         ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "OlmoHybridGatedDeltaNet"),
         _DELTA_RULE_ROUTES,
@@ -285,7 +323,8 @@ _ROUTED_MIXERS = {
 }
 """Hugging Face's sequence mixers whose modeling module's functions run per document across the shards under a step,
 and those functions: Mamba2 mixers (an input projection, ``causal_conv1d_forward``, ``mamba2_scan_forward``, a gated
-norm, an output projection) and Gated DeltaNet ones (``causal_conv1d_forward``, ``torch_chunk_gated_delta_rule``)."""
+norm, an output projection), Mamba ones (``causal_conv1d_forward``, ``mamba_scan_forward``; Mamba's fused
+``mamba_inner_fn`` skipped) and Gated DeltaNet ones (``causal_conv1d_forward``, ``torch_chunk_gated_delta_rule``)."""
 
 
 _BOUND_KERNELS = ("chunk_gated_delta_rule", "recurrent_gated_delta_rule", "causal_conv1d_fn")
@@ -301,10 +340,10 @@ def _modeling_module(mixer: torch.nn.Module) -> tuple[Any, dict[str, Callable[..
 
 
 def _use_cp_sequence_mixers(model: torch.nn.Module) -> None:
-    """Route the convolution and scan of every Mamba2 and Gated DeltaNet mixer family in ``model`` through lightning_cp
-    under a step (its modeling module's functions; weights, forward and everything outside a step unchanged). A
-    modeling module without those functions (older transformers, remote code) is left alone: its layers stay refused
-    at cp > 1."""
+    """Route the convolution and scan of every Mamba, Mamba2 and Gated DeltaNet mixer family in ``model`` through
+    lightning_cp under a step (its modeling module's functions; weights, forward and everything outside a step
+    unchanged). A modeling module without those functions (older transformers, remote code) is left alone: its layers
+    stay refused at cp > 1."""
     for mixer in model.modules():
         if comm.original_class_name(mixer) not in _ROUTED_MIXERS:
             continue
@@ -318,7 +357,7 @@ def _use_cp_sequence_mixers(model: torch.nn.Module) -> None:
 
 
 def _routed_mixer_count(model: torch.nn.Module) -> int:
-    """How many Mamba2 and Gated DeltaNet mixers of ``model`` run through lightning_cp under a step."""
+    """How many Mamba, Mamba2 and Gated DeltaNet mixers of ``model`` run through lightning_cp under a step."""
     mixers = [module for module in model.modules() if comm.original_class_name(module) in _ROUTED_MIXERS]
     return sum(
         all(isinstance(getattr(modeling, name, None), _RoutedUnderCP) for name in routes)
@@ -330,7 +369,7 @@ def _routed_mixer_count(model: torch.nn.Module) -> int:
 def _exact_layer_types(model: torch.nn.Module, layer_types: tuple[str, ...]) -> frozenset[str]:
     """Layer types whose token mixing is exact under a step in ``model``: attention; ``conv`` when every
     short-convolution mixer runs ``cp_causal_conv1d``; ``linear_attention`` and ``hybrid`` when each such layer holds a
-    routed Mamba2 or Gated DeltaNet mixer (other linear attention, such as Jamba's Mamba1 or Kimi's, is not)."""
+    routed Mamba, Mamba2 or Gated DeltaNet mixer (other linear attention, such as Kimi's delta attention, is not)."""
     exact = set(_TOKEN_WISE_LAYER_TYPES)
     mixers = [module for module in model.modules() if comm.original_class_name(module) in _SHORT_CONVOLUTIONS]
     if mixers and all(isinstance(mixer.forward, _ShortConvolutionUnderCP) for mixer in mixers):
