@@ -2,9 +2,11 @@
 
 Forward + backward on one process, one thread, float32, each candidate timed in turn within every repetition:
 - Mamba2's selective scan (8 heads of 64, state 64, one group, chunks of 256 tokens): ``hf`` is ``mamba2_chunk_scan``
-  of ``transformers``' Bamba; the gated delta rule (8 heads, dk = dv = 64, chunks of 64): ``hf`` is
-  ``torch_chunk_gated_delta_rule`` of ``transformers``' Qwen3.5 (each on one sequence, no document starts);
-- ``ours``: ``cp_ssd_scan`` / ``cp_gated_delta_rule`` on the same sequence without a step;
+  of ``transformers``' Bamba; Mamba's selective scan (512 channels, state 16, chunks of 64): ``hf`` is
+  ``mamba_selective_scan`` of ``transformers``' Jamba (its PyTorch path, token by token); the gated delta rule (8
+  heads, dk = dv = 64, chunks of 64): ``hf`` is ``torch_chunk_gated_delta_rule`` of ``transformers``' Qwen3.5 (each on
+  one sequence, no document starts);
+- ``ours``: ``cp_ssd_scan`` / ``cp_selective_scan`` / ``cp_gated_delta_rule`` on the same sequence without a step;
 - ``ours packed``: the same under a one-process step on documents of 1 to 4k tokens (2k on average), restarting at
   each document's start (what ``hf`` cannot do on a packed row).
 The tables show medians and ratios to ``hf``, and each candidate's peak memory: the growth of the resident set during
@@ -28,19 +30,27 @@ import torch.nn.functional as F
 from convolution_bench import packed_batch
 from memory_bench import proc_status_mib, reset_peak
 from transformers.models.bamba.modeling_bamba import mamba2_chunk_scan
+from transformers.models.jamba.modeling_jamba import mamba_selective_scan
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
-from lightning_cp import ContextParallelRuntime, ContextParallelSetting, cp_gated_delta_rule, cp_ssd_scan
+from lightning_cp import (
+    ContextParallelRuntime,
+    ContextParallelSetting,
+    cp_gated_delta_rule,
+    cp_selective_scan,
+    cp_ssd_scan,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scan_bench.md"
 HEADS, HEAD_DIM, STATE = 8, 64, 64
+MAMBA_STATE = 16
 CANDIDATES = ("hf", "ours", "ours packed")
-SCANS = ("mamba2", "gated delta rule")
+SCANS = ("mamba2", "mamba", "gated delta rule")
 
 
 def _inputs(scan: str, tokens: int) -> tuple[torch.Tensor, ...]:
-    """One row of ``tokens`` tokens: x, dt (positive), A (negative), B, C for Mamba2; q, k (unit length), v, g (log
-    decays), beta for the gated delta rule."""
+    """One row of ``tokens`` tokens: x, dt (positive), A (negative), B, C for Mamba2 and Mamba; q, k (unit length), v,
+    g (log decays), beta for the gated delta rule."""
     generator = torch.Generator().manual_seed(0)
 
     def normal(*shape: int) -> torch.Tensor:
@@ -52,6 +62,16 @@ def _inputs(scan: str, tokens: int) -> tuple[torch.Tensor, ...]:
     if scan == "mamba2":
         return normal(1, tokens, HEADS, HEAD_DIM), uniform(1, tokens, HEADS) * 0.1 + 0.01, -uniform(HEADS) - 0.5, \
             normal(1, tokens, 1, STATE), normal(1, tokens, 1, STATE)  # fmt: skip
+    if scan == "mamba":
+        channels = HEADS * HEAD_DIM
+        B, C = (normal(1, tokens, MAMBA_STATE) for _ in range(2))
+        return (
+            normal(1, tokens, channels),
+            uniform(1, tokens, channels) * 0.1 + 0.01,
+            -uniform(channels, MAMBA_STATE) - 0.5,
+            B,
+            C,
+        )
     q, k = (F.normalize(normal(1, tokens, HEADS, HEAD_DIM), dim=-1) for _ in range(2))
     return q, k, normal(1, tokens, HEADS, HEAD_DIM), -uniform(1, tokens, HEADS) * 0.1, uniform(1, tokens, HEADS)
 
@@ -68,6 +88,9 @@ def _candidates(scan: str, tokens: int) -> dict[str, Callable[[], None]]:
     def hf() -> None:
         if scan == "mamba2":
             mamba2_chunk_scan(*leaves(), chunk_size=256).sum().backward()
+        elif scan == "mamba":  # channels and tokens as Hugging Face's mixers lay them out
+            x, dt, A, B, C = leaves()
+            mamba_selective_scan(*(tensor.transpose(1, 2) for tensor in (x, dt)), A, B.mT, C.mT).sum().backward()
         else:
             q, k, v, g, beta = leaves()
             torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, chunk_size=64)[0].sum().backward()
@@ -75,6 +98,8 @@ def _candidates(scan: str, tokens: int) -> dict[str, Callable[[], None]]:
     def ours() -> None:
         if scan == "mamba2":
             cp_ssd_scan(*leaves(), chunk_size=256).sum().backward()
+        elif scan == "mamba":
+            cp_selective_scan(*leaves(), chunk_size=64).sum().backward()
         else:
             q, k, v, g, beta = leaves()
             cp_gated_delta_rule(q, k, v, g, beta, chunk_size=64).sum().backward()
@@ -123,7 +148,8 @@ def main() -> None:
         "# Chunked scans: the library's against Hugging Face's reference scans",
         "",
         f"Forward + backward, one process, one thread, float32, {HEADS} heads of {HEAD_DIM} (Mamba2: state {STATE}, "
-        f"chunks of 256; gated delta rule: dk = dv = {HEAD_DIM}, chunks of 64); medians of {args.repeats} "
+        f"chunks of 256; Mamba: {HEADS * HEAD_DIM} channels, state {MAMBA_STATE}, chunks of 64; gated delta rule: "
+        f"dk = dv = {HEAD_DIM}, chunks of 64); medians of {args.repeats} "
         f"({platform.machine()}, torch {torch.__version__}).",
         "",
         "| scan | tokens | hf (ms) | ours (ms) | ours packed (ms) | ours / hf | ours packed / hf | peak MiB hf / ours "

@@ -3,6 +3,8 @@ scan of each document alone on one device (float64, 1e-12)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -143,10 +145,10 @@ def test_without_a_step_each_row_is_one_document_and_shapes_are_checked() -> Non
         cp_selective_scan(*inputs, chunk_size=0)
 
 
-def test_the_chunked_scan_restarts_at_document_starts_and_composes_with_an_entering_state() -> None:
+def test_the_chunked_scan_restarts_at_document_starts_and_starts_from_the_entering_state() -> None:
     """``selective_scan`` on random starts and chunk sizes (float64): outputs and last state equal the token-by-token
-    scan restarted at each start; adding ``entry_decay`` times a state's read-out gives the scan from that state, and
-    the last ``entry_decay`` carries it to the end."""
+    scan restarted at each start, from a zero state and from the state ``entering_state`` returns; that is given the
+    last state from a zero state and the decay that carries a state entering the shard to its end."""
     generator = torch.Generator().manual_seed(1)
     for _ in range(20):
         length, chunk_size = (
@@ -156,8 +158,8 @@ def test_the_chunked_scan_restarts_at_document_starts_and_composes_with_an_enter
         x, dt, A, B, C = _random_inputs(2, length, generator)
         starts = torch.rand(length, generator=generator) < 0.2
         entering = torch.randn(2, CHANNELS, STATE, generator=generator, dtype=torch.float64)
-        y, last, entry_decay = selective_scan(x, dt, A, B, C, starts, chunk_size)
-        for state, scanned, final in ((torch.zeros_like(entering), y, last), (entering, None, None)):
+        given: list[torch.Tensor] = []
+        for state, hook in ((torch.zeros_like(entering), None), (entering, _entering(entering, given))):
             expected_last, outputs = state, []
             for begin, end in document_runs(starts):
                 kept = begin == 0 and not starts[0]  # the entering state reaches the first run if no start ends it
@@ -166,11 +168,20 @@ def test_the_chunked_scan_restarts_at_document_starts_and_composes_with_an_enter
                     x[:, begin:end], dt[:, begin:end], A, B[:, begin:end], C[:, begin:end], dropped
                 )
                 outputs.append(part)
-            if scanned is None:
-                scanned = y + torch.einsum("bsdn,bdn,bsn->bsd", entry_decay, state, C)
-                final = last + entry_decay[:, -1] * state
-            torch.testing.assert_close(scanned, torch.cat(outputs, dim=1), rtol=0, atol=1e-12)
-            torch.testing.assert_close(final, expected_last, rtol=0, atol=1e-12)
+            y, last = selective_scan(x, dt, A, B, C, starts, chunk_size, hook)
+            torch.testing.assert_close(y, torch.cat(outputs, dim=1), rtol=0, atol=1e-12)
+            torch.testing.assert_close(last, expected_last, rtol=0, atol=1e-12)
+        torch.testing.assert_close(given[0], expected_last, rtol=0, atol=1e-12)
+
+
+def _entering(state: torch.Tensor, given: list[torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """An ``entering_state`` that returns ``state``, recording in ``given`` the last state its arguments imply."""
+
+    def entering_state(last: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+        given.append(last + decay * state)
+        return state
+
+    return entering_state
 
 
 def test_heavy_decay_keeps_float32_precision() -> None:

@@ -270,9 +270,9 @@ def cp_selective_scan(
     ``[channels, state]`` (negative), ``B`` and ``C`` ``[b, S_local, state]``; returns ``y`` ``[b, S_local, channels]``
     without the ``D`` skip, computed (also under autocast) and returned in the widest of the inputs' dtypes and
     float32. Under an active step each rank scans its contiguous shard (``chunk_size`` tokens one after another, all
-    chunks at once, then chunk after chunk), then adds the state entering it from the shards before (one all-gather of
-    one state per rank); in a block that runs in another layout the inputs are converted to contiguous shards and the
-    output back. Without a step each row is one document."""
+    chunks at once, then chunk after chunk) from the state entering it, which every earlier shard's last state and
+    decay compose (one all-gather of one state per rank); in a block that runs in another layout the inputs are
+    converted to contiguous shards and the output back. Without a step each row is one document."""
     rows, length, channels = x.shape if x.dim() == 3 else (0, 0, 0)
     if (
         x.dim() != 3 or dt.shape != x.shape or A.dim() != 2 or A.shape[0] != channels or B.shape != C.shape
@@ -291,10 +291,8 @@ def cp_selective_scan(
     starts = _document_starts(x.shape[1], x.device)
     with torch.autocast(x.device.type, enabled=False):  # products and sums in ``dtype``, whatever autocast's is
         x, dt, A, B, C = (tensor.to(dtype) for tensor in (x, dt, A, B, C))
-        y, final_state, entry_decay = selective_scan(x, dt, A, B, C, starts, chunk_size)
-        if group is not None:
-            entering = _state_entering_shard(final_state, entry_decay[:, -1], group)
-            y = y + torch.einsum("bsdn,bdn,bsn->bsd", entry_decay, entering, C)
+        entering = None if group is None else functools.partial(_state_entering_shard, group=group)
+        y, _ = selective_scan(x, dt, A, B, C, starts, chunk_size, entering)
     return step.convert(y, CPLayout.CONTIGUOUS, layout) if layout is not CPLayout.CONTIGUOUS else y
 
 

@@ -5,6 +5,8 @@ function adds the state entering the shard from the shards before."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -74,46 +76,60 @@ def ssd_scan(
 
 
 def selective_scan(
-    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, starts: Tensor, chunk_size: int
-) -> tuple[Tensor, Tensor, Tensor]:
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    starts: Tensor,
+    chunk_size: int,
+    entering_state: Callable[[Tensor, Tensor], Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
     """Scan ``h_t = exp(dt_t A) * h_{t-1} + (dt_t x_t) B_t^T`` (elementwise decays, one per channel and state),
-    ``y_t = h_t C_t`` from a zero state, per document.
+    ``y_t = h_t C_t`` per document, from the state entering the shard.
 
     ``x`` and ``dt`` ``[b, s, d]`` (step sizes, already positive), ``A`` ``[d, n]`` (negative), ``B`` and ``C`` ``[b,
     s, n]``, ``starts`` ``[s]`` (a document starts at the token: the state before it is dropped), all in the dtype to
-    compute in. Returns ``y`` ``[b, s, d]``, the last state ``[b, d, n]``, and ``entry_decay`` ``[b, s, d, n]``: the
-    factor by which a state entering the shard reaches each token (0 from the first document start on). The decays
-    differ per state entry, so there is no attention-like form within a chunk: each chunk's tokens are scanned one
-    after another, all chunks at once, then the chunks pass their states on in turn (about ``s / chunk_size +
-    chunk_size`` steps); every decay is a product of factors in [0, 1], never a quotient."""
+    compute in. ``entering_state(last, decay)`` is given the shard's last state from a zero state and the decay from
+    the shard's start to its end (0 past a document start), both ``[b, d, n]``, and returns the state entering the
+    shard (``cp_selective_scan`` gathers them over the ranks); None: a zero state. Returns ``y`` ``[b, s, d]`` and the
+    last state. The decays differ per state entry, so there is no attention-like form within a chunk: each chunk's
+    tokens are scanned one after another, all chunks at once, then the chunks pass their states on in turn (about ``s
+    / chunk_size + chunk_size`` steps); every decay is a running product of factors in [0, 1], never a quotient."""
     batch, length, channels = x.shape
     padding = (-length) % chunk_size
     decay = torch.exp(dt.unsqueeze(-1) * A).masked_fill(starts[None, :, None, None], 0)  # [b, s, d, n]
     inputs = (dt * x).unsqueeze(-1) * B.unsqueeze(2)
-    decay = F.pad(decay, (0, 0, 0, 0, 0, padding), value=1.0)  # padded tokens decay nothing and add nothing
-    inputs = F.pad(inputs, (0, 0, 0, 0, 0, padding))
+    if padding:  # padded tokens decay nothing and add nothing
+        decay = F.pad(decay, (0, 0, 0, 0, 0, padding), value=1.0)
+        inputs, C = F.pad(inputs, (0, 0, 0, 0, 0, padding)), F.pad(C, (0, 0, 0, padding))
     chunks = (length + padding) // chunk_size
     decay, inputs = (tensor.view(batch, chunks, chunk_size, channels, -1) for tensor in (decay, inputs))
 
     # 1. within chunks, all chunks at once: the states from a zero state at the chunk's start, and how far it reaches
-    state, states = torch.zeros_like(inputs[:, :, 0]), []
+    state, reach, states, reaches = torch.zeros_like(inputs[:, :, 0]), torch.ones_like(decay[:, :, 0]), [], []
     for token_decay, token_input in zip(decay.unbind(2), inputs.unbind(2), strict=True):
-        state = token_decay * state + token_input
+        state, reach = token_decay * state + token_input, token_decay * reach
         states.append(state)
-    local_states = torch.stack(states, dim=2)  # [b, c, l, d, n]
-    reach = torch.cumprod(decay, dim=2)
+        reaches.append(reach)
 
-    # 2. between chunks, in turn: the state entering each chunk, and the decay from the shard's start to it
-    entering, entered = torch.zeros_like(state[:, 0]), []
-    for last_state, through in zip(local_states[:, :, -1].unbind(1), reach[:, :, -1].unbind(1), strict=True):
-        entered.append(entering)
-        entering = through * entering + last_state
-    from_shard_start = F.pad(torch.cumprod(reach[:, :-1, -1], dim=1), (0, 0, 0, 0, 1, 0), value=1.0)
+    # 2. between chunks, in turn: the state entering each chunk from ``start`` entering the shard, and the last state
+    chunk_last, chunk_decay = state.unbind(1), reach.unbind(1)  # each chunk's last state and decay through it
 
-    states = local_states + reach * torch.stack(entered, dim=1).unsqueeze(2)
-    y = torch.einsum("bcldn,bcln->bcld", states, F.pad(C, (0, 0, 0, padding)).view(batch, chunks, chunk_size, -1))
-    entry_decay = (reach * from_shard_start.unsqueeze(2)).flatten(1, 2)
-    return y.flatten(1, 2)[:, :length], entering, entry_decay[:, :length]
+    def carried(start: Tensor) -> tuple[list[Tensor], Tensor]:
+        entering, entered = start, []
+        for last_state, through in zip(chunk_last, chunk_decay, strict=True):
+            entered.append(entering)
+            entering = through * entering + last_state
+        return entered, entering
+
+    start = torch.zeros_like(state[:, 0])
+    if entering_state is not None:
+        start = entering_state(carried(start)[1], torch.prod(reach, dim=1))
+    entered, last = carried(start)
+    states = torch.stack(states, dim=2) + torch.stack(reaches, dim=2) * torch.stack(entered, dim=1).unsqueeze(2)
+    y = torch.einsum("bcldn,bcln->bcld", states, C.view(batch, chunks, chunk_size, -1))
+    return y.flatten(1, 2)[:, :length], last
 
 
 def gated_delta_scan(
