@@ -53,10 +53,11 @@ def pretrained(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module", params=["lfm2", "bamba", "qwen3_5"])
+@pytest.fixture(scope="module", params=["lfm2", "bamba", "jamba", "qwen3_5"])
 def pretrained_hybrid(pretrained: Path, tmp_path_factory, request) -> Path:
     """The same tokenizer with a tiny float32 hybrid: LFM2 (a short-convolution layer, then an attention layer), Bamba
-    (a Mamba2 layer, then an attention layer) or Qwen3.5 (a Gated DeltaNet layer, then an attention layer)."""
+    (a Mamba2 layer, then an attention layer), Jamba (a Mamba layer, then an attention layer with a mixture of experts)
+    or Qwen3.5 (a Gated DeltaNet layer, then an attention layer)."""
     folder = tmp_path_factory.mktemp(f"pretrained_{request.param}")
     tokenizer = transformers.AutoTokenizer.from_pretrained(pretrained)
     tokenizer.save_pretrained(folder)
@@ -73,6 +74,11 @@ def pretrained_hybrid(pretrained: Path, tmp_path_factory, request) -> Path:
         config = transformers.Qwen3_5TextConfig(
             **common, layer_types=["linear_attention", "full_attention"], head_dim=8, linear_num_value_heads=4,
             linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        )  # fmt: skip
+    elif request.param == "jamba":
+        config = transformers.JambaConfig(
+            **common, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+            num_experts=2, num_experts_per_tok=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
         )  # fmt: skip
     else:
         config = transformers.BambaConfig(
@@ -144,9 +150,9 @@ def test_fine_tuning_a_pretrained_folder(pretrained: Path, tmp_path: Path) -> No
 
 
 def test_fine_tuning_a_pretrained_hybrid_folder(pretrained_hybrid: Path, tmp_path: Path) -> None:
-    """A hybrid folder (LFM2's short convolutions, Bamba's Mamba2 or Qwen3.5's Gated DeltaNet layers, and attention)
-    at cp=2 with ring attention writes cp=1's float64 losses on prompt/completion data packed several examples to a
-    row."""
+    """A hybrid folder (LFM2's short convolutions, Bamba's Mamba2, Jamba's Mamba or Qwen3.5's Gated DeltaNet layers, and
+    attention) at cp=2 with ring attention writes cp=1's float64 losses on prompt/completion data packed several
+    examples to a row."""
     common = [
         f"model.pretrained={pretrained_hybrid}", f"data.sources=[{_write(tmp_path / 'p.jsonl', PROMPTS * 2)}]",
         f"data.val_sources=[{_write(tmp_path / 'v.jsonl', VAL)}]", "data.tokens_per_sample=32",

@@ -17,10 +17,12 @@ HEADS, KEY_DIM, VALUE_DIM = 3, 4, 5
 def _stepwise(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rule token by token from ``state``: decay, read what the state predicts for ``k``, write the difference."""
+    """The rule token by token from ``state``: decay (per head, or per key channel when ``g`` has one), read what the
+    state predicts for ``k``, write the difference."""
     outputs = []
     for t in range(q.shape[1]):
-        state = state * g[:, t].exp()[..., None, None]
+        decay = g[:, t].exp()  # [b, h] or [b, h, dk]
+        state = state * (decay[..., None] if decay.dim() == 3 else decay[..., None, None])
         predicted = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
         state = state + k[:, t, :, :, None] * ((v[:, t] - predicted) * beta[:, t, :, None])[:, :, None, :]
         outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
@@ -34,8 +36,10 @@ def _per_document(inputs: tuple[torch.Tensor, ...], lengths: tuple[int, ...]) ->
     return torch.cat([_stepwise(*parts, zero)[0] for parts in zip(*split, strict=True)], dim=1)
 
 
-def _random_inputs(rows: int, total: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
-    """q, k (unit length), v, g (log decays in (-1, 0)), beta (in (0, 1)) in float64."""
+def _random_inputs(
+    rows: int, total: int, generator: torch.Generator, per_channel: bool = False
+) -> tuple[torch.Tensor, ...]:
+    """q, k (unit length), v, g (log decays in (-1, 0), per head or ``per_channel``), beta (in (0, 1)) in float64."""
 
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator, dtype=torch.float64)
@@ -44,7 +48,8 @@ def _random_inputs(rows: int, total: int, generator: torch.Generator) -> tuple[t
         return torch.rand(*shape, generator=generator, dtype=torch.float64)
 
     q, k = (torch.nn.functional.normalize(normal(rows, total, HEADS, KEY_DIM), dim=-1) for _ in range(2))
-    return q, k, normal(rows, total, HEADS, VALUE_DIM), -uniform(rows, total, HEADS), uniform(rows, total, HEADS)
+    g = -uniform(rows, total, HEADS, *([KEY_DIM] if per_channel else []))
+    return q, k, normal(rows, total, HEADS, VALUE_DIM), g, uniform(rows, total, HEADS)
 
 
 def _by_hand(tensor: torch.Tensor) -> torch.Tensor:
@@ -63,15 +68,16 @@ def _rule_error(
     drop_last: bool = False,
     mixed: bool = False,
     grouped: bool = False,
+    per_channel: bool = False,
 ) -> list[float]:
     """This rank's largest differences to one process: outputs and the gradients of every input, for the batch
     ``step_over_the_world`` makes of the arguments; ``mixed``: q, k, v in bf16 and the gates in float32, as under
     autocast (the reference: the same rounded values in float64), and only the output's relative error;
     ``grouped``: one raw key head for all value heads, L2-normalised and q scaled by 0.7 inside (the reference: by
-    hand)."""
+    hand); ``per_channel``: a decay per key channel."""
     total = batch_length(lengths)
     generator = torch.Generator().manual_seed(5)
-    inputs = _random_inputs(rows, total, generator)
+    inputs = _random_inputs(rows, total, generator, per_channel)
     if grouped:
         raw = (torch.randn(rows, total, 1, KEY_DIM, generator=generator, dtype=torch.float64) for _ in range(2))
         inputs = (*raw, *inputs[2:])
@@ -117,6 +123,20 @@ def test_the_rule_on_shards_split_further(
         assert max(errors) <= 1e-12, errors
 
 
+@pytest.mark.parametrize(
+    ("ranks", "boundary", "lengths", "rows"),
+    [(3, "zigzag", MIXED_DOCUMENTS, 1), (4, "contiguous", (60,), 1), (2, "zigzag", None, 2)],
+    ids=["cp3-zigzag", "cp4-one-document-over-all-shards", "cp2-dense"],
+)
+def test_a_decay_per_key_channel_matches_each_document_alone(
+    ranks: int, boundary: str, lengths: tuple[int, ...] | None, rows: int
+) -> None:
+    """Kimi delta attention's gates, one log decay per key channel (``g`` ``[b, S, heads, dk]``): outputs and the
+    gradients of every input equal each document run alone, token by token (float64, 1e-12)."""
+    for errors in run_on_ranks(_rule_error, ranks, boundary, lengths, 4, rows, per_channel=True):
+        assert max(errors) <= 1e-12, errors
+
+
 def test_grouped_normalised_keys_under_a_step() -> None:
     """One raw key head for three value heads, normalised and scaled inside, zigzag at cp 3: outputs and the
     gradients of the raw q and k (through the head repeat and the normalisation) and of v, g, beta equal the same
@@ -152,8 +172,9 @@ def test_without_a_step_each_row_is_one_document_and_shapes_are_checked() -> Non
         got = cp_gated_delta_rule(*single)
     assert got.dtype == torch.float32 and torch.equal(got, expected)
     q, k, v, g, beta = inputs
+    two_channels = g[..., None].expand(-1, -1, -1, 2)  # neither one per head nor one per key channel
     for bad in ((q[..., :2], k, v, g, beta), (q, k, v[:, :3], g, beta), (q, k, v, g, beta[..., :1]),
-                (q[:, :, :2], k[:, :, :2], v, g, beta)):  # fmt: skip
+                (q[:, :, :2], k[:, :, :2], v, g, beta), (q, k, v, two_channels, beta)):  # fmt: skip
         with pytest.raises(ValueError, match="expected q and k \\[b, S, key_heads, dk\\], v \\[b, S, heads, dv\\]"):
             cp_gated_delta_rule(*bad)
 
@@ -174,13 +195,13 @@ def test_grouped_keys_normalisation_and_scale_are_applied_as_documented() -> Non
 
 
 def test_the_chunked_rule_restarts_at_document_starts_from_any_state() -> None:
-    """``gated_delta_scan`` on random starts and chunk sizes from a random state (float64): outputs and last state
-    equal the token-by-token rule restarted at each start."""
+    """``gated_delta_scan`` on random starts and chunk sizes from a random state, with a decay per head or per key
+    channel (float64): outputs and last state equal the token-by-token rule restarted at each start."""
     generator = torch.Generator().manual_seed(1)
-    for _ in range(20):
+    for trial in range(20):
         length = int(torch.randint(1, 30, (1,), generator=generator))
         chunk_size = int(torch.randint(1, 9, (1,), generator=generator))
-        q, k, v, g, beta = _random_inputs(2, length, generator)
+        q, k, v, g, beta = _random_inputs(2, length, generator, per_channel=trial % 2 == 1)
         starts = torch.rand(length, generator=generator) < 0.2
         state = torch.randn(2, HEADS, KEY_DIM, VALUE_DIM, generator=generator, dtype=torch.float64)
         o, last = gated_delta_scan(q, k, v, g, beta, starts, chunk_size, state)

@@ -50,7 +50,11 @@ def test_dry_run_writes_the_report_and_every_exactness_check_passes(tmp_path: Pa
     train = [check for check in checks if check["section"] == "train"]
     assert [check["status"] for check in train] == ["PASS"], train
     assert {check["section"] for check in checks} == {"attention", "group", "mixers", "perf", "train"}
-    assert {"cp_ssd_scan packed float32", "cp_gated_delta_rule packed bf16 autocast"} <= names
+    assert {
+        "cp_ssd_scan packed float32",
+        "cp_selective_scan one row float32",
+        "cp_gated_delta_rule packed bf16 autocast",
+    } <= names
     assert any(check["name"] == "tile call costs (cpu_flash)" for check in checks), "the fitted tile costs"
     assert result.returncode == 0, report
 

@@ -308,30 +308,34 @@ def cp_gated_delta_rule(
     l2_normalize_qk: bool = False,
     chunk_size: int = 64,
 ) -> torch.Tensor:
-    """The gated delta rule (Gated DeltaNet) per document: ``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t
-    k_t v_t^T``, ``o_t = S_t^T q_t``, from a zero state at each document's start, as one device runs each alone.
+    """The gated delta rule per document: ``S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T``,
+    ``o_t = S_t^T q_t``, from a zero state at each document's start, as one device runs each alone; a decay per head
+    (Gated DeltaNet) or per key channel (Kimi delta attention).
 
     ``q``, ``k`` ``[b, S_local, key_heads, dk]`` (``key_heads`` dividing ``heads``: each serves that many neighbouring
-    value heads), ``v`` ``[b, S_local, heads, dv]``, ``g`` (log decays, <= 0) and ``beta`` ``[b, S_local, heads]``;
-    ``q`` and ``k`` are L2-normalised first if ``l2_normalize_qk`` (``x / sqrt(|x|^2 + 1e-6)``), then ``q`` is scaled
-    by ``scale`` (default ``dk ** -0.5``), as Hugging Face's and FLA's kernels do. Returns ``o`` ``[b, S_local, heads,
-    dv]``, computed (also under autocast) and returned in the widest of the inputs' dtypes and float32. Under an active
-    step each rank runs its contiguous shard in chunks of ``chunk_size`` tokens, carrying next to the state, in ``dk``
-    more columns, the shard's transition (the product of its ``exp(g_t) (I - beta_t k_t k_t^T)``); the state entering
+    value heads), ``v`` ``[b, S_local, heads, dv]``, ``g`` (log decays, <= 0) ``[b, S_local, heads]`` or ``[b,
+    S_local, heads, dk]``, ``beta`` ``[b, S_local, heads]``; ``q`` and ``k`` are L2-normalised first if
+    ``l2_normalize_qk`` (``x / sqrt(|x|^2 + 1e-6)``), then ``q`` is scaled by ``scale`` (default ``dk ** -0.5``), as
+    Hugging Face's and FLA's kernels do. Returns ``o`` ``[b, S_local, heads, dv]``, computed (also under autocast) and
+    returned in the widest of the inputs' dtypes and float32. Under an active step each rank runs its contiguous shard
+    in chunks of ``chunk_size`` tokens, carrying next to the state, in ``dk`` more columns, the shard's transition (the
+    product of its ``(I - beta_t k_t k_t^T) Diag(exp(g_t))``); the state entering
     the shard is composed from every earlier shard's last state and transition (one all-gather), and each output adds
     that state's read-out. In a block that runs in another layout the inputs are converted to contiguous shards as
     given (before the heads are repeated and the dtypes widened) and the output back. Without a step each row is one
     document."""
-    rows, length, key_heads = k.shape[:3] if k.dim() == 4 else (0, 0, 0)
+    rows, length, key_heads, key_dim = k.shape if k.dim() == 4 else (0, 0, 0, 0)
     heads = v.shape[2] if v.dim() == 4 else 0
     if (
         k.dim() != 4 or q.shape != k.shape or v.dim() != 4 or tuple(v.shape[:2]) != (rows, length) or key_heads == 0
-        or heads % key_heads or tuple(g.shape) != (rows, length, heads) or g.shape != beta.shape or chunk_size < 1
+        or heads % key_heads or tuple(beta.shape) != (rows, length, heads) or chunk_size < 1
+        or tuple(g.shape) not in ((rows, length, heads), (rows, length, heads, key_dim))
     ):  # fmt: skip
         raise ValueError(
             f"cp_gated_delta_rule: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, "
             f"beta {tuple(beta.shape)}, chunk_size={chunk_size}; expected q and k [b, S, key_heads, dk], v [b, S, "
-            "heads, dv] with heads divisible by key_heads, g and beta [b, S, heads], chunk_size >= 1"
+            "heads, dv] with heads divisible by key_heads, g [b, S, heads] or [b, S, heads, dk], beta [b, S, heads], "
+            "chunk_size >= 1"
         )
     dtype = functools.reduce(torch.promote_types, (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype), torch.float32)
     step, group, layout = _recurrence_shards("cp_gated_delta_rule")
@@ -339,7 +343,7 @@ def cp_gated_delta_rule(
         q, k, v = _to_contiguous(step, layout, (q, k, v))
         g, beta = _to_contiguous(step, layout, (g, beta))
     starts = _document_starts(k.shape[1], k.device)
-    key_dim, value_dim = k.shape[-1], v.shape[-1]
+    value_dim = v.shape[-1]
     with torch.autocast(k.device.type, enabled=False):  # products and sums in ``dtype``, whatever autocast's is
         q, k, v, g, beta = (tensor.to(dtype) for tensor in (q, k, v, g, beta))
         q, k = (tensor.repeat_interleave(heads // key_heads, dim=2) for tensor in (q, k))

@@ -135,10 +135,11 @@ def selective_scan(
 def gated_delta_scan(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, starts: Tensor, chunk_size: int, initial_state: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Scan the gated delta rule ``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``, ``o_t = S_t^T
-    q_t`` from ``initial_state`` ``[b, h, dk, dv]``, per document.
+    """Scan the gated delta rule ``S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T``, ``o_t =
+    S_t^T q_t`` from ``initial_state`` ``[b, h, dk, dv]``, per document.
 
-    ``q``, ``k`` ``[b, s, h, dk]``, ``v`` ``[b, s, h, dv]``, ``g`` (log decays, <= 0) and ``beta`` ``[b, s, h]``,
+    ``q``, ``k`` ``[b, s, h, dk]``, ``v`` ``[b, s, h, dv]``, ``g`` (log decays, <= 0) ``[b, s, h]`` (one per head:
+    Gated DeltaNet) or ``[b, s, h, dk]`` (one per key channel: Kimi delta attention), ``beta`` ``[b, s, h]``,
     ``starts`` ``[s]`` (a document starts at the token: the state before it is dropped), all in the dtype to compute in.
     Returns ``o`` ``[b, s, h, dv]`` and the last state. Within a chunk of ``chunk_size`` tokens the delta rule's updates
     are one triangular solve (the UT transform of DeltaNet), masked per document run; the chunks then pass the state on
@@ -146,32 +147,40 @@ def gated_delta_scan(
     (``cp_gated_delta_rule`` carries the shard's transition so)."""
     batch, length, heads, _ = k.shape
     padding = (-length) % chunk_size
-    q, k, v = (F.pad(tensor.transpose(1, 2), (0, 0, 0, padding)) for tensor in (q, k, v))  # [b, h, s, d]
-    g, beta = (F.pad(tensor.transpose(1, 2), (0, padding)) for tensor in (g, beta))  # padding: no decay, no update
+    g = g if g.dim() == 4 else g.unsqueeze(-1)  # [b, s, h, channels]: one channel stands for all of a head's
+    q, k, v, g = (F.pad(tensor.transpose(1, 2), (0, 0, 0, padding)) for tensor in (q, k, v, g))  # [b, h, s, d]
+    beta = F.pad(beta.transpose(1, 2), (0, padding))  # padding: no decay, no update
     segment = torch.cumsum(starts.long(), 0)
     segment = torch.cat([segment, segment[-1:].expand(padding)])
     chunks = (length + padding) // chunk_size
-    q, k, v = (tensor.reshape(batch, heads, chunks, chunk_size, -1) for tensor in (q, k, v))
-    g, beta = (tensor.reshape(batch, heads, chunks, chunk_size) for tensor in (g, beta))
+    q, k, v, g = (tensor.reshape(batch, heads, chunks, chunk_size, -1) for tensor in (q, k, v, g))
+    beta = beta.reshape(batch, heads, chunks, chunk_size)
     segment = segment.view(chunks, chunk_size)
-    cumulative = torch.cumsum(g, dim=-1)
+    cumulative = torch.cumsum(g, dim=-2)  # [b, h, c, l, channels]
 
     lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=k.device).tril()
     same = segment.unsqueeze(2) == segment.unsqueeze(1)  # [c, i, j]: one document run
-    pair_decay = _masked_exp(_segment_sums(g), same & lower)  # [b, h, c, i, j]: decays over (j, i]
+    pair_decay = _masked_exp(_segment_sums(g.mT).movedim(-3, -1), (same & lower)[..., None])  # decays over (j, i]
+
+    def decayed_products(left: Tensor, right: Tensor) -> Tensor:
+        """``[..., i, j]``: ``left_i . right_j`` with each channel decayed over (j, i]."""
+        if pair_decay.shape[-1] == 1:
+            return (left @ right.mT) * pair_decay[..., 0]
+        return torch.einsum("...ic,...jc,...ijc->...ij", left, right, pair_decay)
+
     k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
-    updates = (k_beta @ k.transpose(-1, -2)) * pair_decay  # the solve reads its strictly lower part
+    updates = decayed_products(k_beta, k)  # the solve reads its strictly lower part
     entering_run = F.pad(segment[:-1, -1], (1, 0), value=0).unsqueeze(1)  # the run the chunk's state belongs to
-    from_start = _masked_exp(cumulative, segment == entering_run)  # [b, h, c, l]: the chunk's state reaches token l
+    from_start = _masked_exp(cumulative, (segment == entering_run)[..., None])  # the chunk's state reaches token l
     solved = torch.linalg.solve_triangular(
-        updates, torch.cat([v_beta, k_beta * from_start.unsqueeze(-1)], dim=-1), upper=False, unitriangular=True
+        updates, torch.cat([v_beta, k_beta * from_start], dim=-1), upper=False, unitriangular=True
     )
     new_values, state_reads = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
-    q_reads = q * from_start.unsqueeze(-1)
-    to_end = _masked_exp(cumulative[..., -1:] - cumulative, segment == segment[:, -1:])
-    k_to_end = k * to_end.unsqueeze(-1)
-    chunk_decay = _masked_exp(cumulative[..., -1], segment[:, -1] == entering_run[:, 0])[..., None, None]
-    within = (q @ k.transpose(-1, -2)) * pair_decay
+    q_reads = q * from_start
+    to_end = _masked_exp(cumulative[..., -1:, :] - cumulative, (segment == segment[:, -1:])[..., None])
+    k_to_end = k * to_end
+    chunk_decay = _masked_exp(cumulative[..., -1, :], (segment[:, -1] == entering_run[:, 0])[:, None])[..., None]
+    within = decayed_products(q, k)
     state, outputs = initial_state, []
     per_chunk = (tensor.unbind(2) for tensor in (new_values, state_reads, q_reads, within, k_to_end, chunk_decay))
     for values, reads, queries, attended, keys, decay in zip(*per_chunk, strict=True):  # unbind: a linear backward
