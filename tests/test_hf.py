@@ -50,6 +50,9 @@ MAMBA2 = {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 2, "mamba_d_
 MAMBA = {"mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 4}
 MAMBA_ONLY = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "state_size": 8, "conv_kernel": 4,
               "expand": 2, "time_step_rank": 4}  # fmt: skip
+MLA = {"moe_intermediate_size": 16, "kv_lora_rank": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "qk_nope_head_dim": 4,
+       "num_experts_per_tok": 1, "num_local_experts": 2, "experts_implementation": "eager"}  # fmt: skip
+"""Kimi Linear's and Bailing's latent attention and experts, small."""
 GATED_DELTA_NET = {"linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 8,
                    "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4}  # fmt: skip
 FAMILIES = {
@@ -93,6 +96,19 @@ FAMILIES = {
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, n_groups=2, state_size=8,
         conv_kernel=4, chunk_size=4, expand=2,
     ),
+    "lara_mini": lambda: transformers.LaraMiniConfig(
+        **SMALL, layer_types=["linear_attention", "full_attention"], head_dim=8, **GATED_DELTA_NET, num_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        experts_implementation="eager", eos_token_id=2,
+    ),
+    "kimi_linear": lambda: transformers.KimiLinearConfig(
+        **{**SMALL, "num_key_value_heads": 4}, **MLA, layer_types=["linear_attention", "full_attention"],
+        linear_head_dim=8, linear_num_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    ),
+    "bailing_hybrid": lambda: transformers.BailingHybridConfig(
+        **{**SMALL, "num_key_value_heads": 4}, **MLA, head_dim=8, layer_types=["linear_attention", "full_attention"],
+        first_k_dense_replace=0, n_group=1, topk_group=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    ),
     "qwen3_5": lambda: transformers.Qwen3_5TextConfig(
         **SMALL, layer_types=["linear_attention", "full_attention"], head_dim=8, **GATED_DELTA_NET
     ),
@@ -124,6 +140,9 @@ TOLERANCES = dict.fromkeys(
         "mamba",
         "falcon_mamba",
         "mamba2",
+        "lara_mini",
+        "kimi_linear",
+        "bailing_hybrid",
         "qwen3_5",
         "qwen3_5_moe",
         "qwen3_next",
@@ -323,6 +342,10 @@ RUNS = [
     ("qwen3_5_moe", "packed", 2, {"attention_mode": "ring"}, False),
     ("olmo_hybrid", "packed", 2, {"attention_mode": "ulysses"}, False),
     ("qwen3_5", "packed", 1, {}, False),
+    ("lara_mini", "packed", 2, {"attention_mode": "ring"}, False),
+    ("kimi_linear", "packed", 2, {}, False),
+    ("kimi_linear", "dense", 4, {"attention_mode": "ring"}, True),
+    ("bailing_hybrid", "flattening", 2, {"data_parallel": "fsdp"}, False),
 ]
 
 
@@ -527,13 +550,11 @@ def test_what_cannot_be_exact_is_refused():
         HFCausalLM(tiny_model("llama"))._loss(several)
 
 
-def _kimi_linear() -> transformers.PretrainedConfig:
-    """A hybrid of Kimi delta attention (linear attention the library has no CP form of) and attention layers."""
-    return transformers.KimiLinearConfig(
-        **{**SMALL, "num_key_value_heads": 4}, moe_intermediate_size=16, kv_lora_rank=8, qk_rope_head_dim=4,
-        v_head_dim=8, qk_nope_head_dim=4, num_experts_per_tok=1, num_local_experts=2,
-        layer_types=["linear_attention", "full_attention"], linear_head_dim=8, linear_num_heads=4, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2, experts_implementation="eager",
+def _minimax() -> transformers.PretrainedConfig:
+    """A hybrid of lightning attention (linear attention the library has no CP form of) and attention layers."""
+    return transformers.MiniMaxConfig(
+        **SMALL, head_dim=8, num_local_experts=2, num_experts_per_tok=1, block_size=4,
+        layer_types=["linear_attention", "full_attention"], experts_implementation="eager",
     )  # fmt: skip
 
 
@@ -582,8 +603,8 @@ INEXACT = {  # a model feature the "lightning_cp" attention cannot reproduce on 
         ),
         r"rope_type=dynamic\) .* past 4 tokens",
     ),
-    "kimi linear delta attention": (
-        lambda: _kimi_linear(),
+    "minimax lightning attention": (
+        lambda: _minimax(),
         "layers of type linear_attention from its row's own token order, which a packed batch breaks",
     ),
 }  # fmt: skip
@@ -619,7 +640,7 @@ def _hybrid_model_at_cp2() -> None:
     os.environ["WORLD_SIZE"] = "2"
     batches, _ = make_batches("dense", 1)
     torch.manual_seed(0)
-    module = SGDCausalLM(transformers.AutoModelForCausalLM.from_config(_kimi_linear()).double())
+    module = SGDCausalLM(transformers.AutoModelForCausalLM.from_config(_minimax()).double())
     trainer = pl.Trainer(devices=2, strategy=CPZigzagStrategy(), max_steps=1, use_distributed_sampler=False,
                          **TRAINER_OPTIONS)  # fmt: skip
     trainer.fit(module, DataLoader(batches, batch_size=None))
@@ -636,7 +657,7 @@ def test_what_hybrid_and_alibi_models_can_do_is_kept_and_the_rest_refused():
     """A hybrid model still trains one document per row at cp=1 (as the unmodified model does); ALiBi is refused at
     construction, and a soft-capped or scaled head with a chunked loss by its config, however small the logits."""
     torch.manual_seed(0)
-    hybrid = transformers.AutoModelForCausalLM.from_config(_kimi_linear()).double()
+    hybrid = transformers.AutoModelForCausalLM.from_config(_minimax()).double()
     document = make_batches("packed", 1)[1][0][0]
     reference = F.cross_entropy(hybrid(torch.tensor([document])).logits[0, :-1], torch.tensor(document[1:]))
     loss, _ = HFCausalLM(hybrid)._loss({"input_ids": torch.tensor([document])})

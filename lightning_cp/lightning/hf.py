@@ -278,9 +278,10 @@ def _gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """A Gated DeltaNet layer's chunked rule under a step: ``cp_gated_delta_rule`` with the preparation of Hugging
-    Face's reference (query and key per key head, L2-normalised if asked, queries scaled by ``dk ** -0.5``; documents
-    come from the step, not from ``cu_seqlens``); the output in the query's dtype, and no state."""
+    """A Gated DeltaNet or Kimi delta attention layer's chunked rule under a step: ``cp_gated_delta_rule`` with the
+    preparation of Hugging Face's reference (query and key per key head, L2-normalised if asked, queries scaled by
+    ``dk ** -0.5``; documents come from the step, not from ``cu_seqlens``); the output in the query's dtype, and no
+    state."""
     _refuse_cache(initial_state, output_final_state)
     output = cp_gated_delta_rule(
         query, key, value, g, beta, l2_normalize_qk=use_qk_l2norm_in_kernel, chunk_size=chunk_size
@@ -302,6 +303,7 @@ _MAMBA2_ROUTES = {
 }
 _MAMBA_ROUTES = {"causal_conv1d_forward": _causal_convolution, "mamba_scan_forward": _mamba_scan}
 _DELTA_RULE_ROUTES = {"causal_conv1d_forward": _causal_convolution, "torch_chunk_gated_delta_rule": _gated_delta_rule}
+_KIMI_DELTA_ROUTES = {"causal_conv1d_forward": _causal_convolution, "chunk_kimi_delta_attention": _gated_delta_rule}
 _ROUTED_MIXERS = {
     **dict.fromkeys(
         (
@@ -317,14 +319,23 @@ _ROUTED_MIXERS = {
     "MambaMixer": {"mamba_inner_fn": _no_fused_kernel, **_MAMBA_ROUTES},
     **dict.fromkeys(("FalconMambaMixer", "JambaMambaMixer"), _MAMBA_ROUTES),
     **dict.fromkeys(
-        ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "OlmoHybridGatedDeltaNet"),
+        (
+            "Qwen3NextGatedDeltaNet",
+            "Qwen3_5GatedDeltaNet",
+            "Qwen3_5MoeGatedDeltaNet",
+            "OlmoHybridGatedDeltaNet",
+            "LaraMiniGatedDeltaNet",
+        ),
         _DELTA_RULE_ROUTES,
     ),
+    **dict.fromkeys(("KimiLinearDeltaAttention", "BailingHybridDeltaAttention"), _KIMI_DELTA_ROUTES),
 }
 """Hugging Face's sequence mixers whose modeling module's functions run per document across the shards under a step,
 and those functions: Mamba2 mixers (an input projection, ``causal_conv1d_forward``, ``mamba2_scan_forward``, a gated
 norm, an output projection), Mamba ones (``causal_conv1d_forward``, ``mamba_scan_forward``; Mamba's fused
-``mamba_inner_fn`` skipped) and Gated DeltaNet ones (``causal_conv1d_forward``, ``torch_chunk_gated_delta_rule``)."""
+``mamba_inner_fn`` skipped), Gated DeltaNet ones (``causal_conv1d_forward``, ``torch_chunk_gated_delta_rule``) and
+Kimi delta attention ones (``causal_conv1d_forward``, ``chunk_kimi_delta_attention``: the same rule with a decay per
+key channel)."""
 
 
 _BOUND_KERNELS = ("chunk_gated_delta_rule", "recurrent_gated_delta_rule", "causal_conv1d_fn")
@@ -340,10 +351,10 @@ def _modeling_module(mixer: torch.nn.Module) -> tuple[Any, dict[str, Callable[..
 
 
 def _use_cp_sequence_mixers(model: torch.nn.Module) -> None:
-    """Route the convolution and scan of every Mamba, Mamba2 and Gated DeltaNet mixer family in ``model`` through
-    lightning_cp under a step (its modeling module's functions; weights, forward and everything outside a step
-    unchanged). A modeling module without those functions (older transformers, remote code) is left alone: its layers
-    stay refused at cp > 1."""
+    """Route the convolution and scan of every mixer family of ``_ROUTED_MIXERS`` in ``model`` through lightning_cp
+    under a step (its modeling module's functions; weights, forward and everything outside a step unchanged). A
+    modeling module without those functions (older transformers, remote code) is left alone: its layers stay refused
+    at cp > 1."""
     for mixer in model.modules():
         if comm.original_class_name(mixer) not in _ROUTED_MIXERS:
             continue
@@ -357,7 +368,8 @@ def _use_cp_sequence_mixers(model: torch.nn.Module) -> None:
 
 
 def _routed_mixer_count(model: torch.nn.Module) -> int:
-    """How many Mamba, Mamba2 and Gated DeltaNet mixers of ``model`` run through lightning_cp under a step."""
+    """How many sequence mixers of ``model`` (of the families of ``_ROUTED_MIXERS``) run through lightning_cp under a
+    step."""
     mixers = [module for module in model.modules() if comm.original_class_name(module) in _ROUTED_MIXERS]
     return sum(
         all(isinstance(getattr(modeling, name, None), _RoutedUnderCP) for name in routes)
@@ -369,7 +381,7 @@ def _routed_mixer_count(model: torch.nn.Module) -> int:
 def _exact_layer_types(model: torch.nn.Module, layer_types: tuple[str, ...]) -> frozenset[str]:
     """Layer types whose token mixing is exact under a step in ``model``: attention; ``conv`` when every
     short-convolution mixer runs ``cp_causal_conv1d``; ``linear_attention`` and ``hybrid`` when each such layer holds a
-    routed Mamba, Mamba2 or Gated DeltaNet mixer (other linear attention, such as Kimi's delta attention, is not)."""
+    routed mixer (other linear attention, such as a mixer of remote code, is not)."""
     exact = set(_TOKEN_WISE_LAYER_TYPES)
     mixers = [module for module in model.modules() if comm.original_class_name(module) in _SHORT_CONVOLUTIONS]
     if mixers and all(isinstance(mixer.forward, _ShortConvolutionUnderCP) for mixer in mixers):
