@@ -6,7 +6,9 @@ Forward + backward on one process, one thread, float32, each candidate timed in 
   ``mamba_selective_scan`` of ``transformers``' Jamba (its PyTorch path, token by token, whose backward takes time at
   least quadratic in the length: each token's slice hands back a gradient the size of the whole sequence, so this
   scan is measured at 1k tokens only); the gated delta rule (8 heads, dk = dv = 64, chunks of 64): ``hf`` is
-  ``torch_chunk_gated_delta_rule`` of ``transformers``' Qwen3.5 (each on one sequence, no document starts);
+  ``torch_chunk_gated_delta_rule`` of ``transformers``' Qwen3.5, and with a decay per key channel (Kimi delta
+  attention, at 4k tokens only: its pairwise decays are 2 GiB a tensor at 16k) ``chunk_kimi_delta_attention`` of its
+  Kimi Linear (each on one sequence, no document starts);
 - ``ours``: ``cp_ssd_scan`` / ``cp_selective_scan`` / ``cp_gated_delta_rule`` on the same sequence without a step;
 - ``ours packed``: the same under a one-process step on documents of 1 to 4k tokens (2k on average), restarting at
   each document's start (what ``hf`` cannot do on a packed row).
@@ -32,6 +34,7 @@ from convolution_bench import packed_batch
 from memory_bench import proc_status_mib, reset_peak
 from transformers.models.bamba.modeling_bamba import mamba2_chunk_scan
 from transformers.models.jamba.modeling_jamba import mamba_selective_scan
+from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
 from lightning_cp import (
@@ -46,7 +49,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "scan_bench.md"
 HEADS, HEAD_DIM, STATE = 8, 64, 64
 MAMBA_STATE = 16
 CANDIDATES = ("hf", "ours", "ours packed")
-SCANS = ("mamba2", "mamba", "gated delta rule")
+SCANS = ("mamba2", "mamba", "gated delta rule", "kimi delta rule")
 
 
 def _inputs(scan: str, tokens: int) -> tuple[torch.Tensor, ...]:
@@ -74,7 +77,8 @@ def _inputs(scan: str, tokens: int) -> tuple[torch.Tensor, ...]:
             C,
         )
     q, k = (F.normalize(normal(1, tokens, HEADS, HEAD_DIM), dim=-1) for _ in range(2))
-    return q, k, normal(1, tokens, HEADS, HEAD_DIM), -uniform(1, tokens, HEADS) * 0.1, uniform(1, tokens, HEADS)
+    gates = (HEADS, HEAD_DIM) if scan == "kimi delta rule" else (HEADS,)  # a decay per key channel, or per head
+    return q, k, normal(1, tokens, HEADS, HEAD_DIM), -uniform(1, tokens, *gates) * 0.1, uniform(1, tokens, HEADS)
 
 
 def _candidates(scan: str, tokens: int) -> dict[str, Callable[[], None]]:
@@ -93,8 +97,9 @@ def _candidates(scan: str, tokens: int) -> dict[str, Callable[[], None]]:
             x, dt, A, B, C = leaves()
             mamba_selective_scan(*(tensor.transpose(1, 2) for tensor in (x, dt)), A, B.mT, C.mT).sum().backward()
         else:
+            rule = chunk_kimi_delta_attention if scan == "kimi delta rule" else torch_chunk_gated_delta_rule
             q, k, v, g, beta = leaves()
-            torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, chunk_size=64)[0].sum().backward()
+            rule(q, k, v, g=g, beta=beta, chunk_size=64)[0].sum().backward()
 
     def ours() -> None:
         if scan == "mamba2":
@@ -146,12 +151,13 @@ def main() -> None:
     torch.set_num_threads(1)
     sizes = (4096,) if args.quick else (4096, 16384)
     sizes_of = {scan: (1024,) if scan == "mamba" else sizes for scan in SCANS}
+    sizes_of["kimi delta rule"] = sizes[:1]
     lines = [
         "# Chunked scans: the library's against Hugging Face's reference scans",
         "",
         f"Forward + backward, one process, one thread, float32, {HEADS} heads of {HEAD_DIM} (Mamba2: state {STATE}, "
-        f"chunks of 256; Mamba: {HEADS * HEAD_DIM} channels, state {MAMBA_STATE}, chunks of 64; gated delta rule: "
-        f"dk = dv = {HEAD_DIM}, chunks of 64); medians of {args.repeats} "
+        f"chunks of 256; Mamba: {HEADS * HEAD_DIM} channels, state {MAMBA_STATE}, chunks of 64; gated and Kimi "
+        f"delta rules: dk = dv = {HEAD_DIM}, chunks of 64); medians of {args.repeats} "
         f"({platform.machine()}, torch {torch.__version__}).",
         "",
         "| scan | tokens | hf (ms) | ours (ms) | ours packed (ms) | ours / hf | ours packed / hf | peak MiB hf / ours "

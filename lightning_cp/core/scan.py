@@ -166,7 +166,7 @@ def gated_delta_scan(
         """``[..., i, j]``: ``left_i . right_j`` with each channel decayed over (j, i]."""
         if pair_decay.shape[-1] == 1:
             return (left @ right.mT) * pair_decay[..., 0]
-        return torch.einsum("...ic,...jc,...ijc->...ij", left, right, pair_decay)
+        return (left.unsqueeze(-2) * right.unsqueeze(-3) * pair_decay).sum(-1)
 
     k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
     updates = decayed_products(k_beta, k)  # the solve reads its strictly lower part
