@@ -272,7 +272,8 @@ def cp_selective_scan(
     float32. Under an active step each rank scans its contiguous shard (``chunk_size`` tokens one after another, all
     chunks at once, then chunk after chunk) from the state entering it, which every earlier shard's last state and
     decay compose (one all-gather of one state per rank); in a block that runs in another layout the inputs are
-    converted to contiguous shards and the output back. Without a step each row is one document."""
+    converted to contiguous shards and the output back. The per-token states are recomputed in the backward, not
+    kept. Without a step each row is one document."""
     rows, length, channels = x.shape if x.dim() == 3 else (0, 0, 0)
     if (
         x.dim() != 3 or dt.shape != x.shape or A.dim() != 2 or A.shape[0] != channels or B.shape != C.shape

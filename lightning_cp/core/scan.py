@@ -5,11 +5,12 @@ function adds the state entering the shard from the shards before."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 
 def ssd_scan(
@@ -93,42 +94,55 @@ def selective_scan(
     compute in. ``entering_state(last, decay)`` is given the shard's last state from a zero state and the decay from
     the shard's start to its end (0 past a document start), both ``[b, d, n]``, and returns the state entering the
     shard (``cp_selective_scan`` gathers them over the ranks); None: a zero state. Returns ``y`` ``[b, s, d]`` and the
-    last state. The decays differ per state entry, so there is no attention-like form within a chunk: each chunk's
-    tokens are scanned one after another, all chunks at once, then the chunks pass their states on in turn (about ``s
-    / chunk_size + chunk_size`` steps); every decay is a running product of factors in [0, 1], never a quotient."""
+    last state. The decays differ per state entry, so there is no attention-like form within a chunk: a first pass
+    scans each chunk's tokens one after another (all chunks at once) for the chunk's last state and decay, the chunks
+    pass their states on in turn, and a second pass scans every chunk again from the state entering it, keeping only
+    the outputs (about ``s / chunk_size + 2 chunk_size`` steps; every decay a running product of factors in [0, 1]).
+    Both passes are recomputed in the backward rather than kept (as ``mamba_ssm``'s kernel does), so between forward
+    and backward the scan holds ``[b, s, d]`` tensors, not a ``d x n`` state per token."""
     batch, length, channels = x.shape
-    padding = (-length) % chunk_size
-    decay = torch.exp(dt.unsqueeze(-1) * A).masked_fill(starts[None, :, None, None], 0)  # [b, s, d, n]
-    inputs = (dt * x).unsqueeze(-1) * B.unsqueeze(2)
-    if padding:  # padded tokens decay nothing and add nothing
-        decay = F.pad(decay, (0, 0, 0, 0, 0, padding), value=1.0)
-        inputs, C = F.pad(inputs, (0, 0, 0, 0, 0, padding)), F.pad(C, (0, 0, 0, padding))
+    padding = (-length) % chunk_size  # padded tokens take a zero step: no decay, no input
     chunks = (length + padding) // chunk_size
-    decay, inputs = (tensor.view(batch, chunks, chunk_size, channels, -1) for tensor in (decay, inputs))
+    x, dt, B, C = (F.pad(tensor, (0, 0, 0, padding)).view(batch, chunks, chunk_size, -1) for tensor in (x, dt, B, C))
+    restarts = F.pad(starts, (0, padding)).view(chunks, chunk_size).unbind(1)
 
-    # 1. within chunks, all chunks at once: the states from a zero state at the chunk's start, and how far it reaches
-    state, reach, states, reaches = torch.zeros_like(inputs[:, :, 0]), torch.ones_like(decay[:, :, 0]), [], []
-    for token_decay, token_input in zip(decay.unbind(2), inputs.unbind(2), strict=True):
-        state, reach = token_decay * state + token_input, token_decay * reach
-        states.append(state)
-        reaches.append(reach)
+    def tokens(x: Tensor, dt: Tensor, A: Tensor, B: Tensor) -> Iterator[tuple[Tensor, Tensor]]:
+        """Each token of every chunk in turn: its decay (0 at a document start) and its input, ``[b, c, d, n]``."""
+        for token_x, token_dt, token_B, restart in zip(x.unbind(2), dt.unbind(2), B.unbind(2), restarts, strict=True):
+            decay = torch.exp(token_dt.unsqueeze(-1) * A).masked_fill(restart[None, :, None, None], 0)
+            yield decay, (token_dt * token_x).unsqueeze(-1) * token_B.unsqueeze(2)
 
-    # 2. between chunks, in turn: the state entering each chunk from ``start`` entering the shard, and the last state
-    chunk_last, chunk_decay = state.unbind(1), reach.unbind(1)  # each chunk's last state and decay through it
+    def chunk_ends(x: Tensor, dt: Tensor, A: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
+        """Each chunk's last state from a zero state at its start, and its decay from start to end."""
+        state = x.new_zeros(batch, chunks, channels, A.shape[1])
+        reach = torch.ones_like(state)
+        for token_decay, token_input in tokens(x, dt, A, B):
+            state, reach = token_decay * state + token_input, token_decay * reach
+        return state, reach
+
+    def outputs(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, state: Tensor) -> Tensor:
+        """Every chunk scanned from the state entering it: ``y`` ``[b, c, l, d]``."""
+        read = []
+        for (token_decay, token_input), token_C in zip(tokens(x, dt, A, B), C.unbind(2), strict=True):
+            state = token_decay * state + token_input
+            read.append(torch.einsum("bcdn,bcn->bcd", state, token_C))
+        return torch.stack(read, dim=2)
+
+    chunk_last, chunk_decay = checkpoint(chunk_ends, x, dt, A, B, use_reentrant=False)
 
     def carried(start: Tensor) -> tuple[list[Tensor], Tensor]:
+        """The state entering each chunk from ``start`` entering the shard, and the state after the last chunk."""
         entering, entered = start, []
-        for last_state, through in zip(chunk_last, chunk_decay, strict=True):
+        for last_state, through in zip(chunk_last.unbind(1), chunk_decay.unbind(1), strict=True):
             entered.append(entering)
             entering = through * entering + last_state
         return entered, entering
 
-    start = torch.zeros_like(state[:, 0])
+    start = torch.zeros_like(chunk_last[:, 0])
     if entering_state is not None:
-        start = entering_state(carried(start)[1], torch.prod(reach, dim=1))
+        start = entering_state(carried(start)[1], torch.prod(chunk_decay, dim=1))
     entered, last = carried(start)
-    states = torch.stack(states, dim=2) + torch.stack(reaches, dim=2) * torch.stack(entered, dim=1).unsqueeze(2)
-    y = torch.einsum("bcldn,bcln->bcld", states, C.view(batch, chunks, chunk_size, -1))
+    y = checkpoint(outputs, x, dt, A, B, C, torch.stack(entered, dim=1), use_reentrant=False)
     return y.flatten(1, 2)[:, :length], last
 
 
