@@ -8,9 +8,9 @@ Sections (``--sections``, comma-separated; default all):
   (``emulated_rank_attention``: the training tiles with every rank's K/V given); judged against SDPA-bf16's own error.
 - ``group``: a real gloo group of 4 processes on the device: layout round trips (``lightning_cp.layout``) compared
   bit for bit, and the public ``zigzag_attention`` over the group (cp=4 and cp=2).
-- ``mixers``: ``cp_causal_conv1d``, ``cp_ssd_scan``, ``cp_selective_scan`` and ``cp_gated_delta_rule`` (forward and
-  backward) on the device in float32 and under a bf16 autocast, each row one document and packed documents under a
-  one-process step, against float64 on the CPU.
+- ``mixers``: ``cp_causal_conv1d``, ``cp_ssd_scan``, ``cp_selective_scan`` and ``cp_gated_delta_rule`` (decays per
+  head and per key channel; forward and backward) on the device in float32 and under a bf16 autocast, each row one
+  document and packed documents under a one-process step, against float64 on the CPU.
 - ``perf``: each rank's forward+backward attention time at cp=2/4/8 versus flash-attn (or SDPA) on the whole sequence
   divided by cp, dense and packed.
 - ``train``: the main job ``lightning-cp fit --config gpu`` at cp=1 for a few steps; whether it ran and its losses.
@@ -1114,7 +1114,8 @@ def mixer_inputs(name: str, tokens: int, heads: int, dim: int) -> tuple[torch.Te
         return normal(1, tokens, heads * dim), uniform(1, tokens, heads * dim) * 0.1, -uniform(heads * dim, 16) - 0.5, \
             normal(1, tokens, 16), normal(1, tokens, 16)  # fmt: skip
     q, k = (F.normalize(normal(1, tokens, heads, dim), dim=-1) for _ in range(2))
-    return q, k, normal(1, tokens, heads, dim), -uniform(1, tokens, heads) * 0.1, uniform(1, tokens, heads)
+    gates = (heads, dim) if name.endswith("per key channel") else (heads,)
+    return q, k, normal(1, tokens, heads, dim), -uniform(1, tokens, *gates) * 0.1, uniform(1, tokens, heads)
 
 
 MIXERS: dict[str, Callable[..., torch.Tensor]] = {
@@ -1122,6 +1123,7 @@ MIXERS: dict[str, Callable[..., torch.Tensor]] = {
     "cp_ssd_scan": functools.partial(cp_ssd_scan, chunk_size=64),
     "cp_selective_scan": cp_selective_scan,
     "cp_gated_delta_rule": cp_gated_delta_rule,
+    "cp_gated_delta_rule per key channel": cp_gated_delta_rule,
 }
 
 

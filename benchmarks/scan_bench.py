@@ -54,7 +54,7 @@ SCANS = ("mamba2", "mamba", "gated delta rule", "kimi delta rule")
 
 def _inputs(scan: str, tokens: int) -> tuple[torch.Tensor, ...]:
     """One row of ``tokens`` tokens: x, dt (positive), A (negative), B, C for Mamba2 and Mamba; q, k (unit length), v,
-    g (log decays), beta for the gated delta rule."""
+    g (log decays, per head or, for the Kimi delta rule, per key channel), beta for the gated delta rules."""
     generator = torch.Generator().manual_seed(0)
 
     def normal(*shape: int) -> torch.Tensor:

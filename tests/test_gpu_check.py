@@ -54,6 +54,7 @@ def test_dry_run_writes_the_report_and_every_exactness_check_passes(tmp_path: Pa
         "cp_ssd_scan packed float32",
         "cp_selective_scan one row float32",
         "cp_gated_delta_rule packed bf16 autocast",
+        "cp_gated_delta_rule per key channel packed float32",
     } <= names
     assert any(check["name"] == "tile call costs (cpu_flash)" for check in checks), "the fitted tile costs"
     assert result.returncode == 0, report

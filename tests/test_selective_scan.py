@@ -58,14 +58,14 @@ def _scan_error(
     mixed: bool = False,
 ) -> list[float]:
     """This rank's largest differences to one process: outputs and the gradients of x, dt, B, C, and (summed over the
-    ranks) A, for the batch ``step_over_the_world`` makes of the arguments; ``mixed``: x, B, C in bf16 and dt in
-    float32, as under autocast (the reference: the same rounded values in float64), and only the output's relative
+    ranks) A, for the batch ``step_over_the_world`` makes of the arguments; ``mixed``: x, B, C in bf16 and dt and A
+    in float32, as under autocast (the reference: the same rounded values in float64), and only the output's relative
     error."""
     total = batch_length(lengths)
     generator = torch.Generator().manual_seed(5)
     inputs = _random_inputs(rows, total, generator)
     if mixed:
-        inputs = tuple(tensor.to(torch.float32 if i == 1 else torch.bfloat16) for i, tensor in enumerate(inputs))
+        inputs = tuple(tensor.to(torch.float32 if i in (1, 2) else torch.bfloat16) for i, tensor in enumerate(inputs))
     loss_weights = torch.randn(rows, total, CHANNELS, generator=generator, dtype=torch.float64)
     whole = [tensor.double().clone().requires_grad_() for tensor in inputs]
     expected = _per_document_scan(tuple(whole), lengths or (total,))
@@ -175,9 +175,9 @@ def test_the_chunked_scan_restarts_at_document_starts_and_starts_from_the_enteri
 
 
 def test_the_backward_keeps_no_state_per_token() -> None:
-    """Between forward and backward the scan keeps what autograd saves outside its recomputed passes: nothing larger
-    than ``x`` (64 tokens x 6 channels; a state per token would be 4 times that), and the gradients still flow
-    (before, every token's state was kept)."""
+    """Between forward and backward the scan keeps only what autograd saves outside its recomputed passes: under two
+    ``channels x state`` states' worth per token in all (64 tokens, chunks of 8; 2,904 values, where keeping every
+    token's state saved 18,152), none larger than ``x``, and the gradients still flow."""
     x, dt, A, B, C = (tensor.requires_grad_() for tensor in _random_inputs(1, 64, torch.Generator().manual_seed(2)))
     saved: list[int] = []
 
@@ -187,7 +187,7 @@ def test_the_backward_keeps_no_state_per_token() -> None:
 
     with torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor):
         y = cp_selective_scan(x, dt, A, B, C, chunk_size=8)
-    assert max(saved) <= 64 * CHANNELS, sorted(saved)[-5:]
+    assert sum(saved) < 2 * 64 * CHANNELS * STATE and max(saved) <= x.numel(), (sum(saved), max(saved))
     y.sum().backward()
     assert all(tensor.grad is not None for tensor in (x, dt, A, B, C))
 

@@ -61,14 +61,14 @@ def _scan_error(
     mixed: bool = False,
 ) -> list[float]:
     """This rank's largest differences to one process: outputs and the gradients of x, dt, B, C, and (summed over the
-    ranks) A, for the batch ``step_over_the_world`` makes of the arguments; ``mixed``: x, B, C in bf16 and dt in
+    ranks) A, for the batch ``step_over_the_world`` makes of the arguments; ``mixed``: x, B, C in bf16 and dt and A in
     float32, as under autocast (the reference: the same rounded values in float64), and only the output's relative
     error."""
     total = batch_length(lengths)
     generator = torch.Generator().manual_seed(5)
     inputs = _random_inputs(rows, total, generator)
     if mixed:
-        inputs = tuple(tensor.to(torch.float32 if i == 1 else torch.bfloat16) for i, tensor in enumerate(inputs))
+        inputs = tuple(tensor.to(torch.float32 if i in (1, 2) else torch.bfloat16) for i, tensor in enumerate(inputs))
     loss_weights = torch.randn(rows, total, HEADS, HEAD_DIM, generator=generator, dtype=torch.float64)
     whole = [tensor.double().clone().requires_grad_() for tensor in inputs]
     expected = _per_document_scan(tuple(whole), lengths or (total,))

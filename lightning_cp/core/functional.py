@@ -242,20 +242,19 @@ def cp_ssd_scan(
             f"C {tuple(C.shape)}, chunk_size={chunk_size}; expected x [b, S, heads, head_dim], dt [b, S, heads], "
             "A [heads], B and C [b, S, groups, state] with heads divisible by groups, chunk_size >= 1"
         )
-    dtype = functools.reduce(torch.promote_types, (x.dtype, dt.dtype, B.dtype, C.dtype), torch.float32)
-    step, group, layout = _recurrence_shards("cp_ssd_scan")
-    if layout is not CPLayout.CONTIGUOUS:  # x, B, C in one conversion, dt in its own dtype in another
-        x, B, C = _to_contiguous(step, layout, (x, B, C))
-        (dt,) = _to_contiguous(step, layout, (dt,))
-    starts = _document_starts(x.shape[1], x.device)
-    with torch.autocast(x.device.type, enabled=False):  # products and sums in ``dtype``, whatever autocast's is
-        x, dt, A, B, C = (tensor.to(dtype) for tensor in (x, dt, A, B, C))
+
+    def scan(
+        x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, *, starts: torch.Tensor,
+        group: ProcessGroup | None,
+    ) -> torch.Tensor:  # fmt: skip
         B, C = (tensor.repeat_interleave(heads // groups, dim=2) for tensor in (B, C))
         y, final_state, entry_decay = ssd_scan(x, dt, A, B, C, starts, chunk_size)
-        if group is not None:
-            entering = _state_entering_shard(final_state, entry_decay[:, -1, :, None, None], group)
-            y = y + torch.einsum("bshn,bhpn->bshp", C, entering) * entry_decay.unsqueeze(-1)
-    return step.convert(y, CPLayout.CONTIGUOUS, layout) if layout is not CPLayout.CONTIGUOUS else y
+        if group is None:
+            return y
+        entering = _state_entering_shard(final_state, entry_decay[:, -1, :, None, None], group)
+        return y + torch.einsum("bshn,bhpn->bshp", C, entering) * entry_decay.unsqueeze(-1)
+
+    return _scan_on_contiguous_shards("cp_ssd_scan", ((x, B, C), (dt,)), (A,), scan)
 
 
 @comm.eager_under_compile
@@ -284,17 +283,15 @@ def cp_selective_scan(
             f"C {tuple(C.shape)}, chunk_size={chunk_size}; expected x and dt [b, S, channels], A [channels, state], "
             "B and C [b, S, state], chunk_size >= 1"
         )
-    dtype = functools.reduce(torch.promote_types, (x.dtype, dt.dtype, B.dtype, C.dtype), torch.float32)
-    step, group, layout = _recurrence_shards("cp_selective_scan")
-    if layout is not CPLayout.CONTIGUOUS:  # x, B, C in one conversion, dt in its own dtype in another
-        x, B, C = _to_contiguous(step, layout, (x, B, C))
-        (dt,) = _to_contiguous(step, layout, (dt,))
-    starts = _document_starts(x.shape[1], x.device)
-    with torch.autocast(x.device.type, enabled=False):  # products and sums in ``dtype``, whatever autocast's is
-        x, dt, A, B, C = (tensor.to(dtype) for tensor in (x, dt, A, B, C))
+
+    def scan(
+        x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, *, starts: torch.Tensor,
+        group: ProcessGroup | None,
+    ) -> torch.Tensor:  # fmt: skip
         entering = None if group is None else functools.partial(_state_entering_shard, group=group)
-        y, _ = selective_scan(x, dt, A, B, C, starts, chunk_size, entering)
-    return step.convert(y, CPLayout.CONTIGUOUS, layout) if layout is not CPLayout.CONTIGUOUS else y
+        return selective_scan(x, dt, A, B, C, starts, chunk_size, entering)[0]
+
+    return _scan_on_contiguous_shards("cp_selective_scan", ((x, B, C), (dt,)), (A,), scan)
 
 
 @comm.eager_under_compile
@@ -338,15 +335,12 @@ def cp_gated_delta_rule(
             "heads, dv] with heads divisible by key_heads, g [b, S, heads] or [b, S, heads, dk], beta [b, S, heads], "
             "chunk_size >= 1"
         )
-    dtype = functools.reduce(torch.promote_types, (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype), torch.float32)
-    step, group, layout = _recurrence_shards("cp_gated_delta_rule")
-    if layout is not CPLayout.CONTIGUOUS:  # q, k, v in one conversion, the gates in their own dtype in another
-        q, k, v = _to_contiguous(step, layout, (q, k, v))
-        g, beta = _to_contiguous(step, layout, (g, beta))
-    starts = _document_starts(k.shape[1], k.device)
-    value_dim = v.shape[-1]
-    with torch.autocast(k.device.type, enabled=False):  # products and sums in ``dtype``, whatever autocast's is
-        q, k, v, g, beta = (tensor.to(dtype) for tensor in (q, k, v, g, beta))
+
+    def rule(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+        starts: torch.Tensor, group: ProcessGroup | None,
+    ) -> torch.Tensor:  # fmt: skip
+        value_dim = v.shape[-1]
         q, k = (tensor.repeat_interleave(heads // key_heads, dim=2) for tensor in (q, k))
         if l2_normalize_qk:
             q, k = (tensor * torch.rsqrt((tensor * tensor).sum(-1, keepdim=True) + 1e-6) for tensor in (q, k))
@@ -354,14 +348,43 @@ def cp_gated_delta_rule(
         state = v.new_zeros(rows, heads, key_dim, value_dim)
         if group is not None:  # the transition rides along: zero values, the identity as its initial state
             v = torch.cat([v, v.new_zeros(*v.shape[:3], key_dim)], dim=-1)
-            identity = torch.eye(key_dim, dtype=dtype, device=v.device).expand(rows, heads, key_dim, key_dim)
+            identity = torch.eye(key_dim, dtype=v.dtype, device=v.device).expand(rows, heads, key_dim, key_dim)
             state = torch.cat([state, identity], dim=-1)
         o, last = gated_delta_scan(q, k, v, g, beta, starts, chunk_size, state)
-        if group is not None:
-            (o, reads), (last, transition) = o.split([value_dim, key_dim], -1), last.split([value_dim, key_dim], -1)
-            entering = _state_entering_shard(last, transition, group, carry=torch.matmul)
-            o = o + torch.einsum("bshk,bhkv->bshv", reads, entering)
-    return step.convert(o, CPLayout.CONTIGUOUS, layout) if layout is not CPLayout.CONTIGUOUS else o
+        if group is None:
+            return o
+        (o, reads), (last, transition) = o.split([value_dim, key_dim], -1), last.split([value_dim, key_dim], -1)
+        entering = _state_entering_shard(last, transition, group, carry=torch.matmul)
+        return o + torch.einsum("bshk,bhkv->bshv", reads, entering)
+
+    return _scan_on_contiguous_shards("cp_gated_delta_rule", ((q, k, v), (g, beta)), (), rule)
+
+
+def _scan_on_contiguous_shards(
+    name: str,
+    conversions: tuple[tuple[torch.Tensor, ...], ...],
+    others: tuple[torch.Tensor, ...],
+    scan: Callable[..., torch.Tensor],
+) -> torch.Tensor:
+    """Run ``scan(*per_token, *others, starts=..., group=...)`` of the CP function ``name`` on this rank's contiguous
+    shard: each group of ``conversions`` (per-token tensors ``[b, S_local, ...]``) goes there in one conversion, its
+    tensors keeping their dtypes (step sizes and gates travel apart from bf16 activations); then all of them and
+    ``others`` are widened to the widest of their dtypes and float32, and ``scan`` runs with autocast off (products and
+    sums in that dtype, whatever autocast's is), given the shard's document starts and the group whose ranks hold the
+    contiguous shards in order (None: one shard). Its output goes back to the block's layout."""
+    step, group, layout = _recurrence_shards(name)
+    per_token = [
+        tensor
+        for tensors in conversions
+        for tensor in (tensors if layout is CPLayout.CONTIGUOUS else _to_contiguous(step, layout, tensors))
+    ]
+    tensors = (*per_token, *others)
+    dtype = functools.reduce(torch.promote_types, (tensor.dtype for tensor in tensors), torch.float32)
+    device = per_token[0].device
+    starts = _document_starts(per_token[0].shape[1], device)
+    with torch.autocast(device.type, enabled=False):
+        output = scan(*(tensor.to(dtype) for tensor in tensors), starts=starts, group=group)
+    return output if layout is CPLayout.CONTIGUOUS else step.convert(output, CPLayout.CONTIGUOUS, layout)
 
 
 def _recurrence_shards(name: str) -> tuple[ContextParallelStep | None, ProcessGroup | None, CPLayout]:

@@ -1,6 +1,7 @@
 """The pure plans of per-document sequence mixing: for ``cp_causal_conv1d``, which tokens before the pieces of
 documents on a rank lie on other ranks, and how every piece is laid out behind them for one convolution without
-padding; for ``cp_ssd_scan``, where documents start in a rank's shard."""
+padding; for the scans (``cp_ssd_scan``, ``cp_selective_scan``, ``cp_gated_delta_rule``), where documents start in a
+rank's shard."""
 
 from __future__ import annotations
 
