@@ -317,11 +317,10 @@ def cp_gated_delta_rule(
     Hugging Face's and FLA's kernels do. Returns ``o`` ``[b, S_local, heads, dv]``, computed (also under autocast) and
     returned in the widest of the inputs' dtypes and float32. Under an active step each rank runs its contiguous shard
     in chunks of ``chunk_size`` tokens, carrying next to the state, in ``dk`` more columns, the shard's transition (the
-    product of its ``(I - beta_t k_t k_t^T) Diag(exp(g_t))``); the state entering
-    the shard is composed from every earlier shard's last state and transition (one all-gather), and each output adds
-    that state's read-out. In a block that runs in another layout the inputs are converted to contiguous shards as
-    given (before the heads are repeated and the dtypes widened) and the output back. Without a step each row is one
-    document."""
+    product of its ``(I - beta_t k_t k_t^T) Diag(exp(g_t))``); the state entering the shard is composed from every
+    earlier shard's last state and transition (one all-gather), and each output adds that state's read-out. In a block
+    that runs in another layout the inputs are converted to contiguous shards as given (before the heads are repeated
+    and the dtypes widened) and the output back. Without a step each row is one document."""
     rows, length, key_heads, key_dim = k.shape if k.dim() == 4 else (0, 0, 0, 0)
     heads = v.shape[2] if v.dim() == 4 else 0
     if (

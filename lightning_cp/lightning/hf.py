@@ -381,7 +381,7 @@ def _routed_mixer_count(model: torch.nn.Module) -> int:
 def _exact_layer_types(model: torch.nn.Module, layer_types: tuple[str, ...]) -> frozenset[str]:
     """Layer types whose token mixing is exact under a step in ``model``: attention; ``conv`` when every
     short-convolution mixer runs ``cp_causal_conv1d``; ``linear_attention`` and ``hybrid`` when each such layer holds a
-    routed mixer (other linear attention, such as a mixer of remote code, is not)."""
+    routed mixer (other linear attention, such as MiniMax's lightning attention, is not)."""
     exact = set(_TOKEN_WISE_LAYER_TYPES)
     mixers = [module for module in model.modules() if comm.original_class_name(module) in _SHORT_CONVOLUTIONS]
     if mixers and all(isinstance(mixer.forward, _ShortConvolutionUnderCP) for mixer in mixers):
