@@ -1,9 +1,9 @@
 """Per-token tensors of a whole batch given to each rank as its shard under a real step, and compared back slot by
-slot: the harness of the sequence mixers' tests (causal convolution, Mamba2 scan, gated delta rule)."""
+slot: the harness of the sequence mixers' tests (causal convolution, Mamba2's and Mamba's scans, gated delta rule)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -96,3 +96,46 @@ def step_over_the_world(
     with ContextParallelRuntime(setting).step(batch):
         positions = batch["input_ids"][0] - 1  # -1: a padding slot
         yield RankSlots(setting, positions >= 0, positions.clamp(min=0), drop_last)
+
+
+def selective_scan_errors(
+    scan: Callable[..., torch.Tensor],
+    per_document: Callable[[tuple[torch.Tensor, ...], tuple[int, ...]], torch.Tensor],
+    random_inputs: Callable[[int, int, torch.Generator], tuple[torch.Tensor, ...]],
+    boundary: str,
+    lengths: tuple[int, ...] | None,
+    chunk_size: int,
+    rows: int = 1,
+    tensor_parallel: int = 1,
+    ulysses: int = 1,
+    drop_last: bool = False,
+    mixed: bool = False,
+) -> list[float]:
+    """For a selective scan ``scan(x, dt, A, B, C, chunk_size=...)`` (Mamba2's or Mamba's), this rank's largest
+    differences to ``per_document`` on one process: outputs and the gradients of x, dt, B, C, and (summed over the
+    ranks) A, for the batch ``step_over_the_world`` makes of the arguments, the inputs from ``random_inputs(rows,
+    tokens, generator)``; ``mixed``: x, B, C in bf16 and dt and A in float32, as under autocast (the reference: the same
+    rounded values in float64), and only the output's relative error."""
+    total = batch_length(lengths)
+    generator = torch.Generator().manual_seed(5)
+    inputs = random_inputs(rows, total, generator)
+    if mixed:
+        inputs = tuple(tensor.to(torch.float32 if i in (1, 2) else torch.bfloat16) for i, tensor in enumerate(inputs))
+    whole = [tensor.double().clone().requires_grad_() for tensor in inputs]
+    expected = per_document(tuple(whole), lengths or (total,))
+    loss_weights = torch.randn(expected.shape, generator=generator, dtype=torch.float64)
+    (expected * loss_weights).sum().backward()
+    with step_over_the_world(boundary, lengths, rows, tensor_parallel, ulysses, drop_last) as slots:
+        x, dt, B, C = (slots.shard(tensor) for tensor in (inputs[0], inputs[1], inputs[3], inputs[4]))
+        A = inputs[2].clone().requires_grad_()
+        output = scan(x, dt, A, B, C, chunk_size=chunk_size)
+        if mixed:
+            return [slots.error(output, expected) / expected.abs().max().item()]
+        (output * loss_weights[:, slots.taken] * slots.mask(output)).sum().backward()
+    dist.all_reduce(A.grad, group=slots.setting.loss_group)
+    pairs = [(output, expected), (x.grad, whole[0].grad), (dt.grad, whole[1].grad), (B.grad, whole[3].grad),
+             (C.grad, whole[4].grad)]  # fmt: skip
+    return [
+        *(slots.error(actual, reference) for actual, reference in pairs),
+        (A.grad - whole[2].grad).abs().max().item(),
+    ]

@@ -3,16 +3,17 @@ each document alone on one device (float64, 1e-12)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
-import torch.distributed as dist
 
 from lightning_cp import cp_ssd_scan
 from lightning_cp.core.scan import ssd_scan
 from lightning_cp.core.windows import shard_document_starts
 from lightning_cp.core.zigzag import stream_tokens
 from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
-from tests.shard_helpers import MIXED_DOCUMENTS, SCAN_CASES, batch_length, document_runs, step_over_the_world
+from tests.shard_helpers import MIXED_DOCUMENTS, SCAN_CASES, document_runs, selective_scan_errors
 
 HEADS, HEAD_DIM, GROUPS, STATE = 4, 3, 2, 5
 
@@ -50,43 +51,8 @@ def _random_inputs(rows: int, total: int, generator: torch.Generator) -> tuple[t
     return x, dt, A, normal(rows, total, GROUPS, STATE), normal(rows, total, GROUPS, STATE)
 
 
-def _scan_error(
-    boundary: str,
-    lengths: tuple[int, ...] | None,
-    chunk_size: int,
-    rows: int = 1,
-    tensor_parallel: int = 1,
-    ulysses: int = 1,
-    drop_last: bool = False,
-    mixed: bool = False,
-) -> list[float]:
-    """This rank's largest differences to one process: outputs and the gradients of x, dt, B, C, and (summed over the
-    ranks) A, for the batch ``step_over_the_world`` makes of the arguments; ``mixed``: x, B, C in bf16 and dt and A in
-    float32, as under autocast (the reference: the same rounded values in float64), and only the output's relative
-    error."""
-    total = batch_length(lengths)
-    generator = torch.Generator().manual_seed(5)
-    inputs = _random_inputs(rows, total, generator)
-    if mixed:
-        inputs = tuple(tensor.to(torch.float32 if i in (1, 2) else torch.bfloat16) for i, tensor in enumerate(inputs))
-    loss_weights = torch.randn(rows, total, HEADS, HEAD_DIM, generator=generator, dtype=torch.float64)
-    whole = [tensor.double().clone().requires_grad_() for tensor in inputs]
-    expected = _per_document_scan(tuple(whole), lengths or (total,))
-    (expected * loss_weights).sum().backward()
-    with step_over_the_world(boundary, lengths, rows, tensor_parallel, ulysses, drop_last) as slots:
-        x, dt, B, C = (slots.shard(tensor) for tensor in (inputs[0], inputs[1], inputs[3], inputs[4]))
-        A = inputs[2].clone().requires_grad_()
-        output = cp_ssd_scan(x, dt, A, B, C, chunk_size=chunk_size)
-        if mixed:
-            return [slots.error(output, expected) / expected.abs().max().item()]
-        (output * loss_weights[:, slots.taken] * slots.mask(output)).sum().backward()
-    dist.all_reduce(A.grad, group=slots.setting.loss_group)
-    pairs = [(output, expected), (x.grad, whole[0].grad), (dt.grad, whole[1].grad), (B.grad, whole[3].grad),
-             (C.grad, whole[4].grad)]  # fmt: skip
-    return [
-        *(slots.error(actual, reference) for actual, reference in pairs),
-        (A.grad - whole[2].grad).abs().max().item(),
-    ]
+_scan_error = functools.partial(selective_scan_errors, cp_ssd_scan, _per_document_scan, _random_inputs)
+"""This rank's errors for a batch made of ``selective_scan_errors``' remaining arguments."""
 
 
 @SCAN_CASES
