@@ -2,13 +2,13 @@
 
 Forward + backward on one process, one thread, float32, each candidate timed in turn within every repetition:
 - Mamba2's selective scan (8 heads of 64, state 64, one group, chunks of 256 tokens): ``hf`` is ``mamba2_chunk_scan``
-  of ``transformers``' Bamba; Mamba's selective scan (512 channels, state 16, chunks of 64): ``hf`` is
+  of ``transformers``' Bamba. Mamba's selective scan (512 channels, state 16, chunks of 64): ``hf`` is
   ``mamba_selective_scan`` of ``transformers``' Jamba (its PyTorch path, token by token, whose backward takes time at
   least quadratic in the length: each token's slice hands back a gradient the size of the whole sequence, so this
-  scan is measured at 1k tokens only); the gated delta rule (8 heads, dk = dv = 64, chunks of 64): ``hf`` is
-  ``torch_chunk_gated_delta_rule`` of ``transformers``' Qwen3.5, and with a decay per key channel (Kimi delta
-  attention, at 4k tokens only: its pairwise decays are 2 GiB a tensor at 16k) ``chunk_kimi_delta_attention`` of its
-  Kimi Linear (each on one sequence, no document starts);
+  scan is measured at 1k tokens only). The gated delta rule (8 heads, dk = dv = 64, chunks of 64): ``hf`` is
+  ``torch_chunk_gated_delta_rule`` of ``transformers``' Qwen3.5; with a decay per key channel (Kimi delta attention,
+  at 4k tokens only: Hugging Face's pairwise decays are 2 GiB a tensor at 16k) ``chunk_kimi_delta_attention`` of its
+  Kimi Linear, ours in its default chunks of 8. Each on one sequence, no document starts;
 - ``ours``: ``cp_ssd_scan`` / ``cp_selective_scan`` / ``cp_gated_delta_rule`` on the same sequence without a step;
 - ``ours packed``: the same under a one-process step on documents of 1 to 4k tokens (2k on average), restarting at
   each document's start (what ``hf`` cannot do on a packed row).
@@ -108,7 +108,7 @@ def _candidates(scan: str, tokens: int) -> dict[str, Callable[[], None]]:
             cp_selective_scan(*leaves(), chunk_size=64).sum().backward()
         else:
             q, k, v, g, beta = leaves()
-            cp_gated_delta_rule(q, k, v, g, beta, chunk_size=64).sum().backward()
+            cp_gated_delta_rule(q, k, v, g, beta).sum().backward()  # its own chunks: 64, or 8 per key channel
 
     def ours_packed() -> None:
         with runtime.step(dict(batch)):
@@ -157,7 +157,8 @@ def main() -> None:
         "",
         f"Forward + backward, one process, one thread, float32, {HEADS} heads of {HEAD_DIM} (Mamba2: state {STATE}, "
         f"chunks of 256; Mamba: {HEADS * HEAD_DIM} channels, state {MAMBA_STATE}, chunks of 64; gated and Kimi "
-        f"delta rules: dk = dv = {HEAD_DIM}, chunks of 64); medians of {args.repeats} "
+        f"delta rules: dk = dv = {HEAD_DIM}, chunks of 64, the library's of 8 with a decay per key channel); medians "
+        f"of {args.repeats} "
         f"({platform.machine()}, torch {torch.__version__}).",
         "",
         "| scan | tokens | hf (ms) | ours (ms) | ours packed (ms) | ours / hf | ours packed / hf | peak MiB hf / ours "

@@ -177,6 +177,8 @@ def test_without_a_step_each_row_is_one_document_and_shapes_are_checked() -> Non
                 (q[:, :, :2], k[:, :, :2], v, g, beta), (q, k, v, two_channels, beta)):  # fmt: skip
         with pytest.raises(ValueError, match="expected q and k \\[b, S, key_heads, dk\\], v \\[b, S, heads, dv\\]"):
             cp_gated_delta_rule(*bad)
+    with pytest.raises(ValueError, match="chunk_size=0"):
+        cp_gated_delta_rule(*inputs, chunk_size=0)
 
 
 def test_grouped_keys_normalisation_and_scale_are_applied_as_documented() -> None:

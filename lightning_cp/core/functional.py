@@ -304,7 +304,7 @@ def cp_gated_delta_rule(
     *,
     scale: float | None = None,
     l2_normalize_qk: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """The gated delta rule per document: ``S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T``,
     ``o_t = S_t^T q_t``, from a zero state at each document's start, as one device runs each alone; a decay per head
@@ -315,24 +315,27 @@ def cp_gated_delta_rule(
     S_local, heads, dk]``, ``beta`` ``[b, S_local, heads]``; ``q`` and ``k`` are L2-normalised first if
     ``l2_normalize_qk`` (``x / sqrt(|x|^2 + 1e-6)``), then ``q`` is scaled by ``scale`` (default ``dk ** -0.5``), as
     Hugging Face's and FLA's kernels do. Returns ``o`` ``[b, S_local, heads, dv]``, computed (also under autocast) and
-    returned in the widest of the inputs' dtypes and float32. Under an active step each rank runs its contiguous shard
-    in chunks of ``chunk_size`` tokens, carrying next to the state, in ``dk`` more columns, the shard's transition (the
-    product of its ``(I - beta_t k_t k_t^T) Diag(exp(g_t))``); the state entering the shard is composed from every
-    earlier shard's last state and transition (one all-gather), and each output adds that state's read-out. In a block
-    that runs in another layout the inputs are converted to contiguous shards as given (before the heads are repeated
-    and the dtypes widened) and the output back. Without a step each row is one document."""
+    returned in the widest of the inputs' dtypes and float32. Chunks of ``chunk_size`` tokens (by default 64 with a
+    decay per head, 8 with a decay per key channel, whose pairwise decays take ``chunk_size x dk`` values per token and
+    head). Under an active step each rank runs its contiguous shard chunk by chunk, carrying next to the state, in
+    ``dk`` more columns, the shard's transition (the product of its ``(I - beta_t k_t k_t^T) Diag(exp(g_t))``); the
+    state entering the shard is composed from every earlier shard's last state and transition (one all-gather), and
+    each output adds that state's read-out. In a block that runs in another layout the inputs are converted to
+    contiguous shards as given (before the heads are repeated and the dtypes widened) and the output back. Without a
+    step each row is one document."""
     rows, length, key_heads, key_dim = k.shape if k.dim() == 4 else (0, 0, 0, 0)
     heads = v.shape[2] if v.dim() == 4 else 0
     if (
         k.dim() != 4 or q.shape != k.shape or v.dim() != 4 or tuple(v.shape[:2]) != (rows, length) or key_heads == 0
-        or heads % key_heads or tuple(beta.shape) != (rows, length, heads) or chunk_size < 1
+        or heads % key_heads or tuple(beta.shape) != (rows, length, heads)
         or tuple(g.shape) not in ((rows, length, heads), (rows, length, heads, key_dim))
+        or (chunk_size is not None and chunk_size < 1)
     ):  # fmt: skip
         raise ValueError(
             f"cp_gated_delta_rule: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, "
             f"beta {tuple(beta.shape)}, chunk_size={chunk_size}; expected q and k [b, S, key_heads, dk], v [b, S, "
             "heads, dv] with heads divisible by key_heads, g [b, S, heads] or [b, S, heads, dk], beta [b, S, heads], "
-            "chunk_size >= 1"
+            "chunk_size None or >= 1"
         )
 
     def rule(
@@ -349,7 +352,8 @@ def cp_gated_delta_rule(
             v = torch.cat([v, v.new_zeros(*v.shape[:3], key_dim)], dim=-1)
             identity = torch.eye(key_dim, dtype=v.dtype, device=v.device).expand(rows, heads, key_dim, key_dim)
             state = torch.cat([state, identity], dim=-1)
-        o, last = gated_delta_scan(q, k, v, g, beta, starts, chunk_size, state)
+        chunk = chunk_size if chunk_size is not None else 8 if g.dim() == 4 else 64
+        o, last = gated_delta_scan(q, k, v, g, beta, starts, chunk, state)
         if group is None:
             return o
         (o, reads), (last, transition) = o.split([value_dim, key_dim], -1), last.split([value_dim, key_dim], -1)

@@ -280,12 +280,10 @@ def _gated_delta_rule(
 ) -> tuple[torch.Tensor, None]:
     """A Gated DeltaNet or Kimi delta attention layer's chunked rule under a step: ``cp_gated_delta_rule`` with the
     preparation of Hugging Face's reference (query and key per key head, L2-normalised if asked, queries scaled by
-    ``dk ** -0.5``; documents come from the step, not from ``cu_seqlens``); the output in the query's dtype, and no
-    state."""
+    ``dk ** -0.5``; documents come from the step, not from ``cu_seqlens``) in the library's own chunks (Hugging Face's
+    ``chunk_size`` sizes its kernel's); the output in the query's dtype, and no state."""
     _refuse_cache(initial_state, output_final_state)
-    output = cp_gated_delta_rule(
-        query, key, value, g, beta, l2_normalize_qk=use_qk_l2norm_in_kernel, chunk_size=chunk_size
-    )
+    output = cp_gated_delta_rule(query, key, value, g, beta, l2_normalize_qk=use_qk_l2norm_in_kernel)
     return output.to(query.dtype), None
 
 
