@@ -176,7 +176,7 @@ def tiny_model(family: str, attention: str = "sdpa", lora: bool = False) -> tran
 
 
 ROUTES = {"bamba": _MAMBA2_ROUTES, "qwen3_5": _DELTA_RULE_ROUTES, "jamba": _ROUTED_MIXERS["JambaMambaMixer"],
-          "mamba": _ROUTED_MIXERS["MambaMixer"]}  # fmt: skip
+          "mamba": _ROUTED_MIXERS["MambaMixer"], "kimi_linear": _ROUTED_MIXERS["KimiLinearDeltaAttention"]}  # fmt: skip
 
 
 class SGDCausalLM(HFCausalLM):
@@ -740,8 +740,8 @@ def test_outside_a_step_the_model_computes_what_hugging_face_sdpa_computes(famil
 
 @pytest.mark.parametrize("family", list(ROUTES))
 def test_outside_a_step_a_routed_model_computes_with_its_own_functions(family, monkeypatch):
-    """The routed convolution and scan (Bamba, Jamba, Mamba) or delta rule (Qwen3.5) are the modeling module's own
-    outside a step:
+    """The routed convolution and scan (Bamba, Jamba, Mamba) or delta rule (Qwen3.5, Kimi Linear) are the modeling
+    module's own outside a step:
     cached generation and a forward of the wrapped model equal those with the module's functions put back (bit for
     bit). Under a step a cache is refused, naming the fix."""
     wrapped = HFCausalLM(tiny_model(family)).model.eval()
