@@ -164,8 +164,8 @@ def tiny_model(family: str, attention: str = "sdpa", lora: bool = False) -> tran
     if family not in ATTENTION_FREE:
         config._attn_implementation = attention
     model = transformers.AutoModelForCausalLM.from_config(config).double()
-    for module in model.modules():  # Mamba, Mamba2, Gated DeltaNet: decays near 1, so states carry over documents
-        if hasattr(module, "A_log"):  # and shards
+    for module in model.modules():  # decays near 1 (Mamba, Mamba2, delta rules): states carry across documents, shards
+        if hasattr(module, "A_log"):
             module.A_log.data.uniform_(-4.0, -2.0)
         if hasattr(module, "dt_bias"):
             module.dt_bias.data.fill_(-1.0)
@@ -741,9 +741,8 @@ def test_outside_a_step_the_model_computes_what_hugging_face_sdpa_computes(famil
 @pytest.mark.parametrize("family", list(ROUTES))
 def test_outside_a_step_a_routed_model_computes_with_its_own_functions(family, monkeypatch):
     """The routed convolution and scan (Bamba, Jamba, Mamba) or delta rule (Qwen3.5, Kimi Linear) are the modeling
-    module's own outside a step:
-    cached generation and a forward of the wrapped model equal those with the module's functions put back (bit for
-    bit). Under a step a cache is refused, naming the fix."""
+    module's own outside a step: cached generation and a forward of the wrapped model equal those with the module's
+    functions put back (bit for bit). Under a step a cache is refused, naming the fix."""
     wrapped = HFCausalLM(tiny_model(family)).model.eval()
     modeling = sys.modules[type(wrapped).__module__]
     routed = {name: getattr(modeling, name) for name in ROUTES[family]}
