@@ -16,7 +16,8 @@ The tables show medians and ratios to ``hf``, and each candidate's peak memory: 
 one forward + backward, measured alone after the timings.
 
 Run: ``python benchmarks/scan_bench.py`` (``--quick`` for one size); the tables are printed and saved to
-``benchmarks/results/scan_bench.md``.
+``benchmarks/results/scan_bench.md``. ``--kimi-chunks`` measures instead the Kimi delta rule in chunks of 8 to 64
+tokens (``benchmarks/results/scan_bench_chunks.md``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from lightning_cp import (
 )
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scan_bench.md"
+CHUNK_RESULTS = RESULTS.with_name("scan_bench_chunks.md")
 HEADS, HEAD_DIM, STATE = 8, 64, 64
 MAMBA_STATE = 16
 CANDIDATES = ("hf", "ours", "ours packed")
@@ -142,13 +144,48 @@ def peak_mib(scan: str, tokens: int) -> dict[str, float]:
     return peaks
 
 
+def chunk_table(tokens: int, chunk_sizes: tuple[int, ...] = (8, 16, 32, 64)) -> list[str]:
+    """``cp_gated_delta_rule`` with a decay per key channel in chunks of each size: seconds and resident-set growth of
+    one forward + backward, each after an untimed call at the same size."""
+    inputs = _inputs("kimi delta rule", tokens)
+    lines = [
+        f"# The Kimi delta rule's chunk size: `cp_gated_delta_rule` with a decay per key channel, {tokens} tokens",
+        "",
+        f"Forward + backward, one process, one thread, float32, {HEADS} heads, dk = dv = {HEAD_DIM} "
+        f"({platform.machine()}, torch {torch.__version__}).",
+        "",
+        "| chunk | seconds | peak MiB |",
+        "|---|---|---|",
+    ]
+    for chunk in chunk_sizes:
+
+        def run(size: int = chunk) -> None:
+            q, k, v, g, beta = (tensor.clone().requires_grad_() for tensor in inputs)
+            cp_gated_delta_rule(q, k, v, g, beta, chunk_size=size).sum().backward()
+
+        run()
+        reset_peak()
+        before = proc_status_mib("VmRSS")
+        start = time.perf_counter()
+        run()
+        lines.append(f"| {chunk} | {time.perf_counter() - start:.2f} | {proc_status_mib('VmHWM') - before:.0f} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4k tokens only (Mamba: 1k)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--kimi-chunks", action="store_true", help=f"only the Kimi delta rule's chunk sizes, into {CHUNK_RESULTS.name}"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.kimi_chunks:
+        CHUNK_RESULTS.write_text("\n".join(chunk_table(4096)) + "\n")
+        return
     sizes = (4096,) if args.quick else (4096, 16384)
     sizes_of = {scan: (1024,) if scan == "mamba" else sizes for scan in SCANS}
     sizes_of["kimi delta rule"] = sizes[:1]

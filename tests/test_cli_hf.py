@@ -56,9 +56,9 @@ def pretrained(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module", params=["lfm2", "bamba", "jamba", "qwen3_5"])
 def pretrained_hybrid(pretrained: Path, tmp_path_factory, request) -> Path:
     """The same tokenizer with a tiny float32 hybrid: LFM2 (a short-convolution layer, then an attention layer), Bamba
-    (a Mamba2 layer, then an attention layer), Jamba (a Mamba layer, then an attention layer; one expert, as a saved
-    model's experts run torch's grouped matmul, which takes no float64) or Qwen3.5 (a Gated DeltaNet layer, then an
-    attention layer)."""
+    (a Mamba2 layer, then an attention layer), Jamba (a Mamba layer, then an attention layer; dense MLPs,
+    ``num_experts=1``, as a saved model's experts run torch's grouped matmul, which takes no float64) or Qwen3.5 (a
+    Gated DeltaNet layer, then an attention layer)."""
     folder = tmp_path_factory.mktemp(f"pretrained_{request.param}")
     tokenizer = transformers.AutoTokenizer.from_pretrained(pretrained)
     tokenizer.save_pretrained(folder)
@@ -78,8 +78,8 @@ def pretrained_hybrid(pretrained: Path, tmp_path_factory, request) -> Path:
         )  # fmt: skip
     elif request.param == "jamba":
         config = transformers.JambaConfig(
-            **common, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
-            num_experts=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
+            **common, attn_layer_period=2, attn_layer_offset=1, num_experts=1, mamba_d_state=8, mamba_d_conv=4,
+            mamba_expand=2, mamba_dt_rank=4,
         )  # fmt: skip
     else:
         config = transformers.BambaConfig(

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightning_cp import cp_gated_delta_rule
+from lightning_cp.core import functional
 from lightning_cp.core.scan import gated_delta_scan
 from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
 from tests.shard_helpers import MIXED_DOCUMENTS, SCAN_CASES, batch_length, step_over_the_world
@@ -179,6 +180,25 @@ def test_without_a_step_each_row_is_one_document_and_shapes_are_checked() -> Non
             cp_gated_delta_rule(*bad)
     with pytest.raises(ValueError, match="chunk_size=0"):
         cp_gated_delta_rule(*inputs, chunk_size=0)
+
+
+def test_chunks_default_to_64_tokens_with_a_decay_per_head_and_8_per_key_channel(monkeypatch) -> None:
+    """Without ``chunk_size`` the rule runs in chunks of 64 tokens with a decay per head and 8 with one per key channel
+    (whose pairwise decays grow with the chunk); a given size is kept, and one below 1 refused."""
+    chunks: list[int] = []
+
+    def recording(*args: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunks.append(int(args[6]))
+        return gated_delta_scan(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(functional, "gated_delta_scan", recording)
+    generator = torch.Generator().manual_seed(4)
+    for per_channel in (False, True):
+        cp_gated_delta_rule(*_random_inputs(1, 9, generator, per_channel))
+    cp_gated_delta_rule(*_random_inputs(1, 9, generator, per_channel=True), chunk_size=3)
+    assert chunks == [64, 8, 3]
+    with pytest.raises(ValueError, match="chunk_size=-1"):
+        cp_gated_delta_rule(*_random_inputs(1, 9, generator), chunk_size=-1)
 
 
 def test_grouped_keys_normalisation_and_scale_are_applied_as_documented() -> None:

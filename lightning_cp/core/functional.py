@@ -315,14 +315,14 @@ def cp_gated_delta_rule(
     S_local, heads, dk]``, ``beta`` ``[b, S_local, heads]``; ``q`` and ``k`` are L2-normalised first if
     ``l2_normalize_qk`` (``x / sqrt(|x|^2 + 1e-6)``), then ``q`` is scaled by ``scale`` (default ``dk ** -0.5``), as
     Hugging Face's and FLA's kernels do. Returns ``o`` ``[b, S_local, heads, dv]``, computed (also under autocast) and
-    returned in the widest of the inputs' dtypes and float32. Chunks of ``chunk_size`` tokens (by default 64 with a
-    decay per head, 8 with a decay per key channel, whose pairwise decays take ``chunk_size x dk`` values per token and
-    head). Under an active step each rank runs its contiguous shard chunk by chunk, carrying next to the state, in
-    ``dk`` more columns, the shard's transition (the product of its ``(I - beta_t k_t k_t^T) Diag(exp(g_t))``); the
-    state entering the shard is composed from every earlier shard's last state and transition (one all-gather), and
-    each output adds that state's read-out. In a block that runs in another layout the inputs are converted to
-    contiguous shards as given (before the heads are repeated and the dtypes widened) and the output back. Without a
-    step each row is one document."""
+    returned in the widest of the inputs' dtypes and float32. It runs in chunks of ``chunk_size`` tokens (by default 64
+    with a decay per head, 8 with a decay per key channel, whose pairwise decays take ``chunk_size x dk`` values per
+    token and head). Under an active step each rank runs its contiguous shard chunk by chunk, carrying next to the
+    state, in ``dk`` more columns, the shard's transition (the product of its ``(I - beta_t k_t k_t^T)
+    Diag(exp(g_t))``); the state entering the shard is composed from every earlier shard's last state and transition
+    (one all-gather), and each output adds that state's read-out. In a block that runs in another layout the inputs are
+    converted to contiguous shards as given (before the heads are repeated and the dtypes widened) and the output back.
+    Without a step each row is one document."""
     rows, length, key_heads, key_dim = k.shape if k.dim() == 4 else (0, 0, 0, 0)
     heads = v.shape[2] if v.dim() == 4 else 0
     if (
