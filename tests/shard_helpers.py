@@ -66,6 +66,19 @@ def document_runs(starts: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:], strict=False))
 
 
+def saved_for_backward(forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """``forward()``'s output and the sizes of the tensors autograd saved for the backward while it ran (those a
+    checkpoint recomputes are not among them)."""
+    saved: list[int] = []
+
+    def record(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor):
+        return forward(), saved
+
+
 def batch_length(lengths: tuple[int, ...] | None) -> int:
     """Tokens per row: the documents' total, or a dense row's."""
     return DENSE_LENGTH if lengths is None else sum(lengths)

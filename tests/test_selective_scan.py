@@ -12,7 +12,7 @@ import torch
 from lightning_cp import cp_selective_scan
 from lightning_cp.core.scan import selective_scan
 from tests.distributed_harness import assert_same_error_on_every_rank, run_on_ranks
-from tests.shard_helpers import MIXED_DOCUMENTS, SCAN_CASES, document_runs, selective_scan_errors
+from tests.shard_helpers import MIXED_DOCUMENTS, SCAN_CASES, document_runs, saved_for_backward, selective_scan_errors
 
 CHANNELS, STATE = 6, 4
 
@@ -144,14 +144,7 @@ def test_the_backward_keeps_no_state_per_token() -> None:
     ``channels x state`` states' worth per token in all (64 tokens, chunks of 8; 2,904 values, where keeping every
     token's state saved 18,152), none larger than ``x``, and the gradients still flow."""
     x, dt, A, B, C = (tensor.requires_grad_() for tensor in _random_inputs(1, 64, torch.Generator().manual_seed(2)))
-    saved: list[int] = []
-
-    def record(tensor: torch.Tensor) -> torch.Tensor:
-        saved.append(tensor.numel())
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor):
-        y = cp_selective_scan(x, dt, A, B, C, chunk_size=8)
+    y, saved = saved_for_backward(lambda: cp_selective_scan(x, dt, A, B, C, chunk_size=8))
     assert sum(saved) < 2 * 64 * CHANNELS * STATE and max(saved) <= x.numel(), (sum(saved), max(saved))
     y.sum().backward()
     assert all(tensor.grad is not None for tensor in (x, dt, A, B, C))
