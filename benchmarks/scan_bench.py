@@ -16,13 +16,15 @@ The tables show medians and ratios to ``hf``, and each candidate's peak memory: 
 one forward + backward, measured alone after the timings.
 
 Run: ``python benchmarks/scan_bench.py`` (``--quick`` for one size); the tables are printed and saved to
-``benchmarks/results/scan_bench.md``. ``--kimi-chunks`` measures instead the Kimi delta rule in chunks of 8 to 64
-tokens (``benchmarks/results/scan_bench_chunks.md``).
+``benchmarks/results/scan_bench.md``. ``--delta-rule-choices`` measures instead what ``cp_gated_delta_rule``'s
+defaults rest on: the Kimi delta rule in chunks of 8 to 64 tokens, and the local rule kept or recomputed in the
+backward (``benchmarks/results/scan_bench_delta_rule_choices.md``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import statistics
 import time
@@ -33,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from convolution_bench import packed_batch
 from memory_bench import proc_status_mib, reset_peak
+from torch.utils.checkpoint import checkpoint
 from transformers.models.bamba.modeling_bamba import mamba2_chunk_scan
 from transformers.models.jamba.modeling_jamba import mamba_selective_scan
 from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
@@ -45,9 +48,10 @@ from lightning_cp import (
     cp_selective_scan,
     cp_ssd_scan,
 )
+from lightning_cp.core.scan import gated_delta_scan
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scan_bench.md"
-CHUNK_RESULTS = RESULTS.with_name("scan_bench_chunks.md")
+CHOICES_RESULTS = RESULTS.with_name("scan_bench_delta_rule_choices.md")
 HEADS, HEAD_DIM, STATE = 8, 64, 64
 MAMBA_STATE = 16
 CANDIDATES = ("hf", "ours", "ours packed")
@@ -144,31 +148,57 @@ def peak_mib(scan: str, tokens: int) -> dict[str, float]:
     return peaks
 
 
-def chunk_table(tokens: int, chunk_sizes: tuple[int, ...] = (8, 16, 32, 64)) -> list[str]:
-    """``cp_gated_delta_rule`` with a decay per key channel in chunks of each size: seconds and resident-set growth of
-    one forward + backward, each after an untimed call at the same size."""
-    inputs = _inputs("kimi delta rule", tokens)
+def delta_rule_choices(tokens: int, chunk_sizes: tuple[int, ...] = (8, 16, 32, 64)) -> list[str]:
+    """The choices behind ``cp_gated_delta_rule``'s defaults, one forward + backward each after an untimed call: the
+    Kimi delta rule (a decay per key channel) in chunks of each size, seconds and resident-set growth; then the local
+    rule with either decay kept or recomputed in the backward (``torch.utils.checkpoint``), side by side."""
     lines = [
-        f"# The Kimi delta rule's chunk size: `cp_gated_delta_rule` with a decay per key channel, {tokens} tokens",
+        f"# The delta rule's choices ({tokens} tokens, {HEADS} heads, dk = dv = {HEAD_DIM}, float32, one thread, "
+        f"forward + backward; {platform.machine()}, torch {torch.__version__})",
         "",
-        f"Forward + backward, one process, one thread, float32, {HEADS} heads, dk = dv = {HEAD_DIM} "
-        f"({platform.machine()}, torch {torch.__version__}).",
+        "`cp_gated_delta_rule` with a decay per key channel in chunks of each size:",
         "",
         "| chunk | seconds | peak MiB |",
         "|---|---|---|",
     ]
+    kimi = _inputs("kimi delta rule", tokens)
     for chunk in chunk_sizes:
 
-        def run(size: int = chunk) -> None:
-            q, k, v, g, beta = (tensor.clone().requires_grad_() for tensor in inputs)
+        def rule(size: int = chunk) -> None:
+            q, k, v, g, beta = (tensor.clone().requires_grad_() for tensor in kimi)
             cp_gated_delta_rule(q, k, v, g, beta, chunk_size=size).sum().backward()
 
-        run()
+        rule()
         reset_peak()
         before = proc_status_mib("VmRSS")
         start = time.perf_counter()
-        run()
+        rule()
         lines.append(f"| {chunk} | {time.perf_counter() - start:.2f} | {proc_status_mib('VmHWM') - before:.0f} |")
+        print(lines[-1], flush=True)
+    lines += ["", "The local rule (`gated_delta_scan`) kept or recomputed, median of 3 interleaved:", "",
+              "| decay | chunk | kept (s) | recomputed (s) | recomputed / kept |", "|---|---|---|---|---|"]  # fmt: skip
+    starts = torch.arange(tokens) == 0
+    for scan, chunk in (("gated delta rule", 64), ("kimi delta rule", 8)):
+        inputs = _inputs(scan, tokens)
+
+        def local(recompute: bool, inputs: tuple[torch.Tensor, ...] = inputs, chunk: int = chunk) -> None:
+            args = [tensor.clone().requires_grad_() for tensor in inputs]
+            state = torch.zeros(1, HEADS, HEAD_DIM, HEAD_DIM)
+            run = (
+                functools.partial(checkpoint, gated_delta_scan, use_reentrant=False) if recompute else gated_delta_scan
+            )
+            run(*args, starts, chunk, state)[0].sum().backward()
+
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for repeat in range(4):
+            for recompute in (False, True):
+                start = time.perf_counter()
+                local(recompute)
+                if repeat:
+                    times[recompute].append(time.perf_counter() - start)
+        kept, recomputed = (statistics.median(times[recompute]) for recompute in (False, True))
+        decay = "per key channel" if scan == "kimi delta rule" else "per head"
+        lines.append(f"| {decay} | {chunk} | {kept:.3f} | {recomputed:.3f} | {recomputed / kept:.2f} |")
         print(lines[-1], flush=True)
     return lines
 
@@ -179,12 +209,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument(
-        "--kimi-chunks", action="store_true", help=f"only the Kimi delta rule's chunk sizes, into {CHUNK_RESULTS.name}"
-    )
+        "--delta-rule-choices", action="store_true", help=f"only the delta rule's chunk and recompute choices, into "
+        f"{CHOICES_RESULTS.name}",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if args.kimi_chunks:
-        CHUNK_RESULTS.write_text("\n".join(chunk_table(4096)) + "\n")
+    if args.delta_rule_choices:
+        CHOICES_RESULTS.write_text("\n".join(delta_rule_choices(4096)) + "\n")
         return
     sizes = (4096,) if args.quick else (4096, 16384)
     sizes_of = {scan: (1024,) if scan == "mamba" else sizes for scan in SCANS}

@@ -318,12 +318,12 @@ def cp_gated_delta_rule(
     Hugging Face's and FLA's kernels do. Returns ``o`` ``[b, S_local, heads, dv]``, computed (also under autocast) and
     returned in the widest of the inputs' dtypes and float32. It runs in chunks of ``chunk_size`` tokens (by default 64
     with a decay per head, 8 with a decay per key channel, whose pairwise decays take ``chunk_size x dk`` values per
-    token and head), recomputed in the backward rather than kept. Under an active step each rank runs its contiguous
-    shard chunk by chunk, carrying next to the state, in ``dk`` more columns, the shard's transition (the product of its
-    ``(I - beta_t k_t k_t^T) Diag(exp(g_t))``); the state entering the shard is composed from every earlier shard's last
-    state and transition (one all-gather), and each output adds that state's read-out. In a block that runs in another
-    layout the inputs are converted to contiguous shards as given (before the heads are repeated and the dtypes widened)
-    and the output back. Without a step each row is one document."""
+    token and head, so that these chunks are recomputed in the backward rather than kept). Under an active step each
+    rank runs its contiguous shard chunk by chunk, carrying next to the state, in ``dk`` more columns, the shard's
+    transition (the product of its ``(I - beta_t k_t k_t^T) Diag(exp(g_t))``); the state entering the shard is composed
+    from every earlier shard's last state and transition (one all-gather), and each output adds that state's read-out.
+    In a block that runs in another layout the inputs are converted to contiguous shards as given (before the heads are
+    repeated and the dtypes widened) and the output back. Without a step each row is one document."""
     rows, length, key_heads, key_dim = k.shape if k.dim() == 4 else (0, 0, 0, 0)
     heads = v.shape[2] if v.dim() == 4 else 0
     if (
@@ -354,8 +354,10 @@ def cp_gated_delta_rule(
             identity = torch.eye(key_dim, dtype=v.dtype, device=v.device).expand(rows, heads, key_dim, key_dim)
             state = torch.cat([state, identity], dim=-1)
         chunk = chunk_size if chunk_size is not None else 8 if g.dim() == 4 else 64
-        # recomputed in the backward rather than kept: a chunk's pairwise products are `chunk` values per token and head
-        o, last = checkpoint(gated_delta_scan, q, k, v, g, beta, starts, chunk, state, use_reentrant=False)
+        if g.dim() == 3:
+            o, last = gated_delta_scan(q, k, v, g, beta, starts, chunk, state)
+        else:  # recomputed in the backward rather than kept: pairwise decays of `chunk x dk` values per token and head
+            o, last = checkpoint(gated_delta_scan, q, k, v, g, beta, starts, chunk, state, use_reentrant=False)
         if group is None:
             return o
         (o, reads), (last, transition) = o.split([value_dim, key_dim], -1), last.split([value_dim, key_dim], -1)
